@@ -1,0 +1,31 @@
+"""remat_nn: decide, per activation, whether reverse-mode autodiff saves, offloads, recomputes or
+reconstructs it by inversion, and measure what each choice costs.
+
+This file is the table of contents: the whole public API, re-exported explicitly.
+
+>>> import remat_nn as rn
+>>> from remat_nn import nn
+"""
+
+# --- names: tag activations -------------------------------------------------------------------
+from remat_nn import names
+from remat_nn.names import name
+
+# --- errors ---------------------------------------------------------------------------------------
+from remat_nn.errors import NotInvertibleError, PlanError, PolicyError, RematNNError
+
+# --- policies and plans ---------------------------------------------------------------------------
+# (filled in below as the modules land)
+
+# --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
+
+# --- reversible: couplings and drift checks -------------------------------------------------------
+
+__all__ = [
+    "NotInvertibleError",
+    "PlanError",
+    "PolicyError",
+    "RematNNError",
+    "name",
+    "names",
+]

@@ -1,0 +1,12 @@
+"""remat_nn.nn: flax.linen modules and transforms built on the remat_nn core.
+
+>>> from remat_nn import nn
+"""
+
+# --- remat transform ------------------------------------------------------------------------------
+
+# --- reversible couplings and sequences -----------------------------------------------------------
+
+# --- blocks ---------------------------------------------------------------------------------------
+
+__all__: list[str] = []
