@@ -15,17 +15,64 @@ from remat_nn.names import name
 from remat_nn.errors import NotInvertibleError, PlanError, PolicyError, RematNNError
 
 # --- policies and plans ---------------------------------------------------------------------------
-# (filled in below as the modules land)
+from remat_nn._plan import Plan, plan
+from remat_nn._policies import ALIASES, POLICIES, policy
+from remat_nn.nn._remat import checkpoint
+
+# --- memory inspection ----------------------------------------------------------------------------
+from remat_nn._memory import (
+    CompiledMemory,
+    MemoryReport,
+    PolicyComparison,
+    compare_policies,
+    compiled_memory,
+    memory_report,
+)
 
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
+from remat_nn._reversible import (
+    ReversibleBlock,
+    additive_combine,
+    additive_uncombine,
+    affine_combine,
+    affine_uncombine,
+    check_invertible,
+    coupling_block,
+    inverse_scan,
+    plain_scan,
+    reversible_scan,
+)
 
 __all__ = [
+    "ALIASES",
+    "POLICIES",
+    "CompiledMemory",
+    "MemoryReport",
+    "Plan",
+    "PolicyComparison",
+    "checkpoint",
+    "compare_policies",
+    "compiled_memory",
+    "memory_report",
+    "plan",
+    "policy",
     "NotInvertibleError",
     "PlanError",
     "PolicyError",
     "RematNNError",
     "name",
     "names",
+    # reversible
+    "ReversibleBlock",
+    "additive_combine",
+    "additive_uncombine",
+    "affine_combine",
+    "affine_uncombine",
+    "check_invertible",
+    "coupling_block",
+    "inverse_scan",
+    "plain_scan",
+    "reversible_scan",
 ]

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# Name equations should point at the caller's line, not at this wrapper.
+source_info_util.register_exclusion(__file__)
 
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_PROJ = "query_proj"

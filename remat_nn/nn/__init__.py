@@ -4,9 +4,13 @@
 """
 
 # --- remat transform ------------------------------------------------------------------------------
+from remat_nn.nn._remat import checkpoint, remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
 
 # --- blocks ---------------------------------------------------------------------------------------
 
-__all__: list[str] = []
+__all__: list[str] = [
+    "checkpoint",
+    "remat",
+]

@@ -1,0 +1,186 @@
+"""Remat policies by name: one registry, one resolver with a did-you-mean error.
+
+Every policy in ``jax.checkpoint_policies`` resolves by its own name, plus short aliases. A
+policy is a callable value (``policy(prim, *avals, **params) -> bool | pe.Saveable | ...``), so
+callables pass through unchanged; plans (:mod:`remat_nn._plan`) compile to one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import jax
+
+from remat_nn.errors import PolicyError
+
+__all__ = ["ALIASES", "POLICIES", "Policy", "policy"]
+
+Policy = Callable[..., Any]
+
+_cp = jax.checkpoint_policies
+_OFFLOAD_DEFAULTS = {"offload_src": "device", "offload_dst": "pinned_host"}
+
+
+class _Entry(NamedTuple):
+    obj: Callable[..., Any]
+    factory: bool  # True: called with the user's arguments to make the policy
+    doc: str
+
+
+def _offload_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # JAX's offload factories take keyword-only src/dst; default them to device -> pinned_host.
+    def make(*args: Any, **kwargs: Any) -> Policy:
+        return fn(*args, **{**_OFFLOAD_DEFAULTS, **kwargs})
+
+    return make
+
+
+def _save_from_both(policy_1: Any, policy_2: Any) -> Policy:
+    return _cp.save_from_both_policies(policy(policy_1), policy(policy_2))
+
+
+def _save_anything_except(*names: str) -> Policy:
+    if names:
+        warnings.warn(
+            "rn.policy('save_anything_except_these_names', ...): in JAX 0.10 this policy saves "
+            f"every value, the names {names} included (its body is `return True`). To recompute "
+            "those names, use rn.plan({'recompute': [...], 'default': 'save'}) or "
+            "'save_any_names_but_these'.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return _cp.save_anything_except_these_names(*names)
+
+
+#: name -> entry. The single table of every policy remat_nn resolves by name.
+POLICIES: Mapping[str, _Entry] = MappingProxyType(
+    {
+        "everything_saveable": _Entry(_cp.everything_saveable, False, "save every value"),
+        "nothing_saveable": _Entry(_cp.nothing_saveable, False, "save only the inputs"),
+        "dots_saveable": _Entry(_cp.dots_saveable, False, "save every dot_general output"),
+        "checkpoint_dots": _Entry(_cp.checkpoint_dots, False, "same as dots_saveable"),
+        "dots_with_no_batch_dims_saveable": _Entry(
+            _cp.dots_with_no_batch_dims_saveable, False, "save dots without batch dimensions"
+        ),
+        "checkpoint_dots_with_no_batch_dims": _Entry(
+            _cp.checkpoint_dots_with_no_batch_dims, False, "same as dots_with_no_batch_dims"
+        ),
+        "save_only_these_names": _Entry(
+            _cp.save_only_these_names, True, "(*names): save only these named values"
+        ),
+        "save_any_names_but_these": _Entry(
+            _cp.save_any_names_but_these, True, "(*names): save named values except these"
+        ),
+        "save_anything_except_these_names": _Entry(
+            _save_anything_except, True, "(*names): JAX 0.10 saves everything (see warning)"
+        ),
+        "save_from_both_policies": _Entry(
+            _save_from_both, True, "(p1, p2): save what either policy saves; names resolve"
+        ),
+        "save_and_offload_only_these_names": _Entry(
+            _offload_factory(_cp.save_and_offload_only_these_names),
+            True,
+            "(names_which_can_be_saved=, names_which_can_be_offloaded=): save or offload these",
+        ),
+        "offload_dot_with_no_batch_dims": _Entry(
+            _offload_factory(_cp.offload_dot_with_no_batch_dims),
+            True,
+            "(): offload dots without batch dimensions to pinned host memory",
+        ),
+    }
+)
+
+#: short alias -> registry name.
+ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "full": "nothing_saveable",
+        "none": "everything_saveable",
+        "dots": "dots_saveable",
+        "dots_no_batch": "dots_with_no_batch_dims_saveable",
+    }
+)
+
+
+def _unknown(spec: str) -> PolicyError:
+    valid = sorted([*POLICIES, *ALIASES])
+    close = difflib.get_close_matches(spec, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return PolicyError(
+        f"rn.policy: unknown policy name {spec!r}.{hint} Valid names: {', '.join(valid)}; "
+        "or a plan string such as 'save=query_proj;offload=mlp_hidden'."
+    )
+
+
+def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
+    """Resolves a policy name, alias, plan or callable to a JAX remat policy.
+
+    Args:
+      spec: one of
+        - a name in ``jax.checkpoint_policies`` (e.g. ``"dots_with_no_batch_dims_saveable"``);
+          factories (``"save_only_these_names"``, ...) take their arguments as ``*args`` /
+          ``**kwargs``; the offload ones default to ``offload_src="device"``,
+          ``offload_dst="pinned_host"``;
+        - an alias: ``full`` (recompute everything), ``none`` (save everything), ``dots``,
+          ``dots_no_batch``;
+        - a :class:`remat_nn.Plan`, a plan mapping or a plan string (see :func:`remat_nn.plan`);
+        - a callable, returned unchanged; ``None``, returned unchanged (JAX's default).
+      *args: arguments of a factory policy.
+      **kwargs: keyword arguments of a factory policy.
+
+    Returns:
+      A callable usable as ``jax.checkpoint(..., policy=...)``, or ``None``.
+
+    Raises:
+      PolicyError: an unknown name (with the closest valid one), or arguments given to a
+        policy that takes none.
+      TypeError: a factory name without its arguments, or a value of another type.
+
+    >>> import remat_nn as rn
+    >>> rn.policy("dots") is rn.policy("dots_saveable")
+    True
+    >>> p = rn.policy("save_only_these_names", "mlp_hidden")
+    >>> rn.policy("dots_savable")
+    Traceback (most recent call last):
+    ...
+    remat_nn.errors.PolicyError: rn.policy: unknown policy name 'dots_savable'. Did you mean ...
+    """
+    from remat_nn._plan import Plan, plan  # a plan compiles to a policy; plans import policies
+
+    if spec is None or (callable(spec) and not isinstance(spec, str | Plan)):
+        if args or kwargs:
+            raise PolicyError(
+                f"rn.policy: arguments {args or ''}{kwargs or ''} were given with a callable or "
+                "None policy, which takes none. Fix: call the factory yourself, or pass its name."
+            )
+        return spec
+    if isinstance(spec, Plan | Mapping) or (isinstance(spec, str) and "=" in spec):
+        if args or kwargs:
+            raise PolicyError("rn.policy: a plan takes no extra arguments; put them in the plan.")
+        return plan(spec).to_policy()
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"rn.policy: argument `spec` must be a policy name, a plan or a callable, got "
+            f"{type(spec).__name__} {spec!r}. Fix: rn.policy('dots_saveable')."
+        )
+    key = ALIASES.get(spec, spec)
+    if key not in POLICIES:
+        raise _unknown(spec)
+    entry = POLICIES[key]
+    if not entry.factory:
+        if args or kwargs:
+            raise PolicyError(
+                f"rn.policy({spec!r}) takes no arguments, got {args or ''}{kwargs or ''}. "
+                f"Fix: rn.policy({spec!r})."
+            )
+        return entry.obj
+    if not args and not kwargs and key != "offload_dot_with_no_batch_dims":
+        raise TypeError(
+            f"rn.policy({spec!r}) is a policy factory and needs arguments "
+            f"{entry.doc.split(':')[0]}. Fix: rn.policy({spec!r}, 'mlp_hidden', ...), "
+            "or use rn.plan for names."
+        )
+    return entry.obj(*args, **kwargs)

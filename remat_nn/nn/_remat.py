@@ -1,0 +1,164 @@
+"""``nn.remat``: ``flax.linen.remat`` with policies by name, aliases and validated plans.
+
+Every argument flax accepts behaves exactly as in flax (the call is forwarded to it); what is
+added is policy resolution (:func:`remat_nn.policy`), plan validation against the traced body at
+first use, and plain functions (then it is ``jax.checkpoint`` with the same resolution).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
+
+import flax.linen as fnn
+import jax
+
+from remat_nn._plan import Plan, checked_body, plan
+from remat_nn._policies import policy as resolve_policy
+
+__all__ = ["checkpoint", "remat"]
+
+Target = TypeVar("Target")
+
+
+def _as_plan(policy: Any) -> Plan | None:
+    if isinstance(policy, Plan):
+        return policy
+    if isinstance(policy, dict) or (isinstance(policy, str) and "=" in policy):
+        return plan(policy)
+    return None
+
+
+def _checked_module_class(target: type[fnn.Module], the_plan: Plan, methods: Any) -> type:
+    # A same-named subclass whose lifted methods check the plan inside the remat body; the
+    # parameter tree is unchanged (the class name, and so auto-names, stay the same).
+    names = ["__call__"] if methods is None else list(methods)
+    attrs: dict[str, Any] = {"__module__": target.__module__, "__qualname__": target.__qualname__}
+    for m in names:
+        attrs[m] = checked_body(getattr(target, m), the_plan, f"{target.__name__}.{m}")
+    return type(target.__name__, (target,), attrs)
+
+
+def remat(
+    target: Target,
+    variables: bool | str | Collection[str] = True,
+    rngs: bool | str | Collection[str] = True,
+    concrete: bool = False,
+    prevent_cse: bool = True,
+    static_argnums: int | tuple[int, ...] = (),
+    policy: Any = None,
+    methods: Any = None,
+) -> Target:
+    """Rematerializes a flax Module, a Module method, or a plain function.
+
+    A strict superset of ``flax.linen.remat``: the same arguments with the same meaning, and
+    ``policy`` also accepts a policy name or alias (``"dots"``, ``"full"``, ...), a
+    :class:`remat_nn.Plan`, a plan mapping or a plan string. A plan is checked against the body
+    when it is first traced: a plan name that never occurs there raises
+    :class:`remat_nn.PlanError` naming the names that do. Dropout inside the body recomputes its
+    mask from the same key; random bits are never saved unless the policy saves everything.
+
+    Args:
+      target: a ``flax.linen.Module`` subclass, a method of one (used as a decorator), or a
+        plain function (then this is ``jax.checkpoint`` with policy resolution).
+      variables: variable collections lifted (flax).
+      rngs: PRNG sequences lifted (flax).
+      concrete: value-dependent Python control flow allowed (flax; Modules only).
+      prevent_cse: prevent common-subexpression elimination of the recomputation.
+      static_argnums: arguments to specialize on (as in flax: for a Module, counted without
+        ``self``).
+      policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`.
+      methods: Module methods to lift (flax; default ``__call__``).
+
+    Returns:
+      The rematerialized Module class, method or function.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as fnn
+    >>> from remat_nn import nn
+    >>> class MLP(fnn.Module):
+    ...   @fnn.compact
+    ...   def __call__(self, x):
+    ...     return fnn.Dense(4)(jax.nn.relu(fnn.Dense(8)(x)))
+    >>> Block = nn.remat(MLP, policy="dots_with_no_batch_dims_saveable")
+    >>> variables = Block().init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> jax.tree.map(jnp.shape, variables["params"]["Dense_0"])
+    {'bias': (4,), 'kernel': (8, 4)}
+    """
+    resolved = resolve_policy(policy)
+    the_plan = _as_plan(policy)
+    if isinstance(target, type) and issubclass(target, fnn.Module):
+        if the_plan is not None and the_plan.names:
+            target = _checked_module_class(target, the_plan, methods)
+        return fnn.remat(
+            target,
+            variables=variables,
+            rngs=rngs,
+            concrete=concrete,
+            prevent_cse=prevent_cse,
+            static_argnums=static_argnums,
+            policy=resolved,
+            methods=methods,
+        )
+    if not callable(target) or isinstance(target, fnn.Module):
+        raise TypeError(
+            f"nn.remat: argument `target` must be a flax Module class, a Module method or a "
+            f"function, got {type(target).__name__} {target!r}. Fix: pass the class "
+            "(nn.remat(MyBlock)), not an instance."
+        )
+    fn = target
+    if the_plan is not None and the_plan.names:
+        fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
+    as_method = fnn.remat(
+        fn,
+        variables=variables,
+        rngs=rngs,
+        concrete=concrete,
+        prevent_cse=prevent_cse,
+        static_argnums=static_argnums,
+        policy=resolved,
+        methods=methods,
+    )
+    as_function = checkpoint(
+        fn, policy=resolved, prevent_cse=prevent_cse, static_argnums=static_argnums
+    )
+
+    @functools.wraps(as_method)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        # Used as a method decorator the first argument is the Module; else a plain function.
+        if args and isinstance(args[0], fnn.Module):
+            return as_method(*args, **kwargs)
+        return as_function(*args, **kwargs)
+
+    return dispatch  # type: ignore[return-value]
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *,
+    policy: Any = None,
+    prevent_cse: bool = True,
+    static_argnums: int | tuple[int, ...] = (),
+) -> Callable[..., Any]:
+    """``jax.checkpoint`` with remat_nn's policy resolution and plan validation.
+
+    Args:
+      fn: the function to rematerialize.
+      policy: a policy name, alias, plan or callable (see :func:`remat_nn.policy`).
+      prevent_cse: as in ``jax.checkpoint``.
+      static_argnums: as in ``jax.checkpoint``.
+
+    Returns:
+      The rematerialized function.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> f = rn.checkpoint(lambda x: jnp.sin(rn.name(x * 2, "h")).sum(), policy="save=h")
+    >>> jax.grad(f)(jnp.zeros(2))
+    Array([2., 2.], dtype=float32)
+    """
+    the_plan = _as_plan(policy)
+    if the_plan is not None and the_plan.names:
+        fn = checked_body(fn, the_plan, getattr(fn, "__name__", repr(fn)))
+    return jax.checkpoint(
+        fn, policy=resolve_policy(policy), prevent_cse=prevent_cse, static_argnums=static_argnums
+    )
