@@ -32,18 +32,6 @@ from remat_nn._memory import (
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
-from remat_nn._reversible import (
-    ReversibleBlock,
-    additive_combine,
-    additive_uncombine,
-    affine_combine,
-    affine_uncombine,
-    check_invertible,
-    coupling_block,
-    inverse_scan,
-    plain_scan,
-    reversible_scan,
-)
 
 __all__ = [
     "ALIASES",
@@ -64,15 +52,4 @@ __all__ = [
     "RematNNError",
     "name",
     "names",
-    # reversible
-    "ReversibleBlock",
-    "additive_combine",
-    "additive_uncombine",
-    "affine_combine",
-    "affine_uncombine",
-    "check_invertible",
-    "coupling_block",
-    "inverse_scan",
-    "plain_scan",
-    "reversible_scan",
 ]
