@@ -5,6 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/revnet.yaml
+FLAX   := $(shell sed -n 's/^flax==//p' requirements.lock)
 
 .PHONY: setup run test lint clean
 
@@ -13,6 +14,12 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
+	@# flax's own remat tests (tests/test_flax_upstream.py) run against nn.remat: take them from
+	@# the pinned flax sdist on PyPI, at set-up time.
+	mkdir -p $(VENV)/upstream
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: flax==$(FLAX) -d $(VENV)/upstream
+	tar -xzf $(VENV)/upstream/flax-$(FLAX).tar.gz -C $(VENV)/upstream \
+		flax-$(FLAX)/tests/linen/linen_transforms_test.py
 	touch $(STAMP)
 
 setup: $(STAMP)

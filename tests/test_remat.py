@@ -2,6 +2,7 @@
 
 from functools import partial
 
+import flax
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -243,6 +244,6 @@ def test_plan_names_inside_nested_scan_are_found():
     np.testing.assert_allclose(g, jax.grad(f)(jnp.ones(2)), rtol=1e-6)
 
 
-def test_remat_rejects_module_instances():
-    with pytest.raises(TypeError, match="pass the class"):
-        nn.remat(MLP())
+def test_remat_rejects_module_instances_as_flax_does():
+    with pytest.raises(flax.errors.TransformTargetError, match="Dense"):
+        nn.remat(fnn.Dense(2))

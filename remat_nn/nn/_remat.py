@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import flax.linen as fnn
 import jax
+from flax import errors as flax_errors
+from flax.linen.transforms import checkpoint as flax_remat  # the original, even if patched
 
 from remat_nn._plan import Plan, checked_body, plan
 from remat_nn._policies import policy as resolve_policy
@@ -90,7 +92,7 @@ def remat(
     if isinstance(target, type) and issubclass(target, fnn.Module):
         if the_plan is not None and the_plan.names:
             target = _checked_module_class(target, the_plan, methods)
-        return fnn.remat(
+        return flax_remat(
             target,
             variables=variables,
             rngs=rngs,
@@ -101,15 +103,12 @@ def remat(
             methods=methods,
         )
     if not callable(target) or isinstance(target, fnn.Module):
-        raise TypeError(
-            f"nn.remat: argument `target` must be a flax Module class, a Module method or a "
-            f"function, got {type(target).__name__} {target!r}. Fix: pass the class "
-            "(nn.remat(MyBlock)), not an instance."
-        )
+        # flax's own error (a Module instance is the usual mistake: pass the class instead).
+        raise flax_errors.TransformTargetError(target)
     fn = target
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
-    as_method = fnn.remat(
+    as_method = flax_remat(
         fn,
         variables=variables,
         rngs=rngs,
