@@ -29,6 +29,10 @@ from remat_nn._memory import (
     memory_report,
 )
 
+# --- planning under a memory budget --------------------------------------------------------------
+from remat_nn._flops import count_flops, matmul_flops
+from remat_nn._planner import PlanReport, parse_budget, plan_for_budget
+
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
@@ -46,6 +50,11 @@ __all__ = [
     "memory_report",
     "plan",
     "policy",
+    "PlanReport",
+    "count_flops",
+    "matmul_flops",
+    "parse_budget",
+    "plan_for_budget",
     "NotInvertibleError",
     "PlanError",
     "PolicyError",
