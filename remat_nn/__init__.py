@@ -36,6 +36,18 @@ from remat_nn._planner import PlanReport, parse_budget, plan_for_budget
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
+from remat_nn._reversible import (
+    ReversibleBlock,
+    additive_combine,
+    additive_uncombine,
+    affine_combine,
+    affine_uncombine,
+    check_invertible,
+    coupling_block,
+    inverse_scan,
+    plain_scan,
+    reversible_scan,
+)
 
 __all__ = [
     "ALIASES",
@@ -61,4 +73,15 @@ __all__ = [
     "RematNNError",
     "name",
     "names",
+    # reversible
+    "ReversibleBlock",
+    "additive_combine",
+    "additive_uncombine",
+    "affine_combine",
+    "affine_uncombine",
+    "check_invertible",
+    "coupling_block",
+    "inverse_scan",
+    "plain_scan",
+    "reversible_scan",
 ]

@@ -7,10 +7,25 @@
 from remat_nn.nn._remat import checkpoint, remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
+from remat_nn.nn._coupling import (
+    AdditiveCoupling,
+    AffineCoupling,
+    Coupling,
+    merge_halves,
+    split_halves,
+)
+from remat_nn.nn._reversible import ReversibleSequence
 
 # --- blocks ---------------------------------------------------------------------------------------
 
 __all__: list[str] = [
     "checkpoint",
     "remat",
+    # reversible
+    "AdditiveCoupling",
+    "AffineCoupling",
+    "Coupling",
+    "ReversibleSequence",
+    "merge_halves",
+    "split_halves",
 ]

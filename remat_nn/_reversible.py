@@ -1,0 +1,514 @@
+"""Reversible scan: a stack of invertible blocks whose backward reconstructs activations.
+
+The pure core under :class:`remat_nn.nn.ReversibleSequence`. A block is a :class:`ReversibleBlock`
+(``forward`` / ``inverse`` / optional fused ``backward``) over per-layer parameters stacked on a
+leading axis of length ``depth``. :func:`reversible_scan` runs the blocks in one ``lax.scan``
+(compiled once) inside a ``jax.custom_vjp`` whose forward saves only the final output (plus the
+parameters and per-layer constants it was given), and whose backward walks the layers in a
+reverse scan: per block, reconstruct the block's input from its output, then take the block's
+VJP at the reconstructed input. Activation memory is therefore flat in depth.
+
+:func:`coupling_block` builds the fused backward of a two-residual coupling (RevNet's
+``y1 = x1 + F(x2), y2 = x2 + G(y1)`` and its affine variant): the forward passes of F and G that
+reconstruct the inputs are the very ones whose VJPs are taken, so the reversible gradient costs
+4/3 of a stored-activation gradient in matmul FLOPs, not 5/3.
+
+Drift control: ``anchor_every=k`` stores the block input every ``k`` blocks so the backward
+restarts reconstruction from a stored anchor; ``recon_dtype`` carries the residual stream (and
+does the reconstruction) in a wider dtype than the blocks compute in. :func:`check_invertible`
+measures the reconstruction error of any module with ``forward`` / ``inverse`` methods.
+
+References:
+  Gomez, Ren, Urtasun, Grosse (2017). The Reversible Residual Network: Backpropagation Without
+  Storing Activations. NeurIPS. https://arxiv.org/abs/1707.04585
+  Kitaev, Kaiser, Levskaya (2020). Reformer: The Efficient Transformer. ICLR.
+  https://arxiv.org/abs/2001.04451
+  MemCNN: a Python/PyTorch package for creating memory-efficient invertible neural networks.
+  Van de Leemput et al. (2019), JOSS. https://github.com/silvandeleemput/memcnn
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "ReversibleBlock",
+    "check_invertible",
+    "coupling_block",
+    "additive_combine",
+    "additive_uncombine",
+    "affine_combine",
+    "affine_uncombine",
+    "inverse_scan",
+    "plain_scan",
+    "reversible_scan",
+]
+
+PyTree = Any
+Pair = tuple[jax.Array, jax.Array]
+
+
+class ReversibleBlock(NamedTuple):
+    """One invertible layer of a reversible stack, as three pure functions.
+
+    Every function receives one layer's slice of the stacked ``params`` and ``consts`` (leading
+    axis removed). ``consts`` are per-layer values that are not differentiated: PRNG keys,
+    BatchNorm statistics, ... (``None`` if the stack has none).
+
+    Fields:
+      forward: ``(params, consts, x) -> (y, new_consts)``. ``new_consts`` is the layer's
+        updated constants (e.g. BatchNorm running averages after this step); it is returned to
+        the caller of the forward pass and never recomputed or used by the backward.
+      inverse: ``(params, consts, y) -> x`` with ``inverse(p, c, forward(p, c, x)[0]) == x``.
+      backward: ``(params, consts, y, dy) -> (x, dparams, dx)``, the inverse fused with the VJP
+        of ``forward`` at the reconstructed ``x``; or ``None`` to use ``inverse`` followed by
+        ``jax.vjp(forward)`` (one more forward pass of the block per layer).
+    """
+
+    forward: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+    inverse: Callable[[PyTree, PyTree, PyTree], PyTree]
+    backward: Callable[[PyTree, PyTree, PyTree, PyTree], tuple[PyTree, PyTree, PyTree]] | None = (
+        None
+    )
+
+
+# --- couplings ------------------------------------------------------------------------------------
+
+
+def additive_combine(x: jax.Array, h: jax.Array) -> jax.Array:
+    """``x + h``: the additive coupling law of RevNet (Gomez et al. 2017)."""
+    return x + h.astype(x.dtype)
+
+
+def additive_uncombine(y: jax.Array, h: jax.Array) -> jax.Array:
+    """``y - h``: inverse of :func:`additive_combine` in its first argument."""
+    return y - h.astype(y.dtype)
+
+
+def _scale_shift(h: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    if h.shape[-1] % 2:
+        raise ValueError(
+            f"affine coupling: the residual function must return 2 * C features on the last axis "
+            f"(log-scale and shift), got shape {h.shape}. Fix: make F and G output twice the "
+            "width of one half, e.g. nn.Dense(2 * C)."
+        )
+    s, t = jnp.split(h.astype(dtype), 2, axis=-1)
+    # tanh bounds the log-scale to [-1, 1]: every block scales by a factor in [1/e, e], so the
+    # inverse is as well conditioned as the forward (a softplus scale can approach 0).
+    return jnp.tanh(s), t
+
+
+def affine_combine(x: jax.Array, h: jax.Array) -> jax.Array:
+    """``x * exp(tanh(s)) + t`` with ``(s, t) = split(h, 2, axis=-1)``: the affine coupling law.
+
+    The scale ``exp(tanh(s))`` is positive and bounded in ``[1/e, e]``.
+    """
+    log_scale, t = _scale_shift(h, x.dtype)
+    return x * jnp.exp(log_scale) + t
+
+
+def affine_uncombine(y: jax.Array, h: jax.Array) -> jax.Array:
+    """``(y - t) * exp(-tanh(s))``: inverse of :func:`affine_combine` in its first argument."""
+    log_scale, t = _scale_shift(h, y.dtype)
+    return (y - t) * jnp.exp(-log_scale)
+
+
+def _tree_add(a: PyTree, b: PyTree) -> PyTree:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def coupling_block(
+    f: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
+    g: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
+    *,
+    combine: Callable[[jax.Array, jax.Array], jax.Array] = additive_combine,
+    uncombine: Callable[[jax.Array, jax.Array], jax.Array] = additive_uncombine,
+    compute_dtype: Any = None,
+) -> ReversibleBlock:
+    """Builds the :class:`ReversibleBlock` of a two-residual coupling with a fused backward.
+
+    Forward ``y1 = combine(x1, F(x2)); y2 = combine(x2, G(y1))``; inverse
+    ``x2 = uncombine(y2, G(y1)); x1 = uncombine(y1, F(x2))``. The backward evaluates G at ``y1``
+    and F at the reconstructed ``x2`` once each, under ``jax.vjp``: those evaluations both
+    reconstruct the input and linearize the block (Gomez et al. 2017, Algorithm 1).
+
+    Args:
+      f: ``(params, consts, x2) -> (F(x2), new_consts)``; ``params`` / ``consts`` are one
+        layer's (the same ones ``g`` receives). In the forward pass ``g`` receives the
+        ``new_consts`` of ``f``; the backward calls both with the layer's original ``consts``
+        and discards the new ones, so state updates happen once, in the forward pass.
+      g: ``(params, consts, y1) -> (G(y1), new_consts)``.
+      combine: ``(x, h) -> y``, invertible in ``x`` for fixed ``h``, e.g.
+        :func:`additive_combine` or :func:`affine_combine`.
+      uncombine: its inverse, ``(y, h) -> x``.
+      compute_dtype: if given, F and G receive their inputs cast to this dtype (the residual
+        stream may be wider, see ``recon_dtype`` of :func:`reversible_scan`).
+
+    Returns:
+      A :class:`ReversibleBlock` over pairs ``(x1, x2)``.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> f = lambda p, c, x: (jnp.tanh(x @ p["wf"]), c)
+    >>> g = lambda p, c, x: (jnp.tanh(x @ p["wg"]), c)
+    >>> block = rn.coupling_block(f, g)
+    >>> p = {"wf": jnp.eye(2), "wg": -jnp.eye(2)}
+    >>> x = (jnp.ones((1, 2)), jnp.zeros((1, 2)))
+    >>> y, _ = block.forward(p, None, x)
+    >>> jnp.allclose(block.inverse(p, None, y)[0], x[0])
+    Array(True, dtype=bool)
+
+    References:
+      Gomez et al. (2017), The Reversible Residual Network, Algorithm 1.
+    """
+
+    def call(fn: Callable, params: PyTree, consts: PyTree, x: jax.Array) -> tuple[Any, Any]:
+        h, new_consts = fn(params, consts, x if compute_dtype is None else x.astype(compute_dtype))
+        return h.astype(x.dtype), new_consts
+
+    def forward(params: PyTree, consts: PyTree, x: Pair) -> tuple[Pair, PyTree]:
+        x1, x2 = x
+        hf, consts = call(f, params, consts, x2)
+        y1 = combine(x1, hf)
+        hg, consts = call(g, params, consts, y1)
+        return (y1, combine(x2, hg)), consts
+
+    def inverse(params: PyTree, consts: PyTree, y: Pair) -> Pair:
+        y1, y2 = y
+        x2 = uncombine(y2, call(g, params, consts, y1)[0])
+        x1 = uncombine(y1, call(f, params, consts, x2)[0])
+        return x1, x2
+
+    def backward(params: PyTree, consts: PyTree, y: Pair, dy: Pair) -> tuple[Pair, Any, Pair]:
+        (y1, y2), (dy1, dy2) = y, dy
+        hg, g_vjp = jax.vjp(lambda p, a: call(g, p, consts, a)[0], params, y1)
+        x2 = uncombine(y2, hg)
+        dx2, dhg = jax.vjp(combine, x2, hg)[1](dy2)
+        dparams_g, dy1_from_g = g_vjp(dhg)
+        dy1 = dy1 + dy1_from_g  # total cotangent of y1 (it feeds y1 out and G)
+        hf, f_vjp = jax.vjp(lambda p, a: call(f, p, consts, a)[0], params, x2)
+        x1 = uncombine(y1, hf)
+        dx1, dhf = jax.vjp(combine, x1, hf)[1](dy1)
+        dparams_f, dx2_from_f = f_vjp(dhf)
+        return (x1, x2), _tree_add(dparams_f, dparams_g), (dx1, dx2 + dx2_from_f)
+
+    return ReversibleBlock(forward, inverse, backward)
+
+
+# --- scans ----------------------------------------------------------------------------------------
+
+
+def _depth(params: PyTree, consts: PyTree) -> int:
+    leaves = jax.tree.leaves((params, consts))
+    if not leaves:
+        raise ValueError(
+            "reversible_scan: `params` and `consts` have no array leaves, so the depth is unknown. "
+            "Fix: pass per-layer parameters stacked on a leading axis of length depth."
+        )
+    depths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if len(depths) != 1 or None in depths:
+        raise ValueError(
+            "reversible_scan: every leaf of `params` and `consts` must carry the layer axis first "
+            f"with one common length, got leading sizes {sorted(map(str, depths))}. Fix: stack "
+            "per-layer values with jnp.stack / jax.vmap(init)."
+        )
+    return depths.pop()
+
+
+def _cast(tree: PyTree, dtypes: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, d: a.astype(d), tree, dtypes)
+
+
+def _stream_dtypes(x: PyTree, recon_dtype: Any) -> PyTree:
+    if recon_dtype is None:
+        return jax.tree.map(lambda a: a.dtype, x)
+    dtype = jnp.dtype(recon_dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"reversible_scan: `recon_dtype` must be a floating dtype, got {recon_dtype!r}. "
+            "Fix: recon_dtype=jnp.float32."
+        )
+    return jax.tree.map(lambda a: dtype, x)
+
+
+def _segments(tree: PyTree, num: int) -> PyTree:
+    # (depth, ...) -> (num_segments, depth // num_segments, ...)
+    return jax.tree.map(lambda a: a.reshape((num, a.shape[0] // num) + a.shape[1:]), tree)
+
+
+def _unsegment(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
+
+
+def _forward_layers(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree):
+    def step(carry, layer):
+        y, new_consts = block.forward(*layer, carry)
+        return y, new_consts
+
+    return jax.lax.scan(step, x, (params, consts))
+
+
+def _backward_layers(block: ReversibleBlock, params, consts, y, dy):
+    def step(carry, layer):
+        y, dy = carry
+        p, c = layer
+        if block.backward is not None:
+            x, dp, dx = block.backward(p, c, y, dy)
+        else:
+            x = block.inverse(p, c, y)
+            _, vjp = jax.vjp(lambda p_, x_: block.forward(p_, c, x_)[0], p, x)
+            dp, dx = vjp(dy)
+        return (x, _cast(dx, jax.tree.map(lambda a: a.dtype, dy))), dp
+
+    (_, dx), dparams = jax.lax.scan(step, (y, dy), (params, consts), reverse=True)
+    return dx, dparams
+
+
+def _validate_anchor(anchor_every: int | None, depth: int) -> int:
+    if anchor_every is None:
+        return depth
+    if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1:
+        raise ValueError(
+            f"reversible_scan: `anchor_every` must be a positive int or None, got "
+            f"{anchor_every!r}. Fix: anchor_every=8 (store the block input every 8 blocks)."
+        )
+    if depth % anchor_every:
+        divisors = [d for d in range(1, depth + 1) if depth % d == 0]
+        raise ValueError(
+            f"reversible_scan: `anchor_every`={anchor_every} must divide the depth {depth}. "
+            f"Fix: one of {divisors}."
+        )
+    return anchor_every
+
+
+def _make_reversible(block: ReversibleBlock, num_segments: int) -> Callable:
+    """The custom_vjp of a stack split into ``num_segments`` anchored segments."""
+
+    def forward(params, consts, x):
+        if num_segments == 1:
+            y, new_consts = _forward_layers(block, params, consts, x)
+            return y, new_consts, None
+
+        def segment(carry, seg):
+            y, new_consts = _forward_layers(block, *seg, carry)
+            return y, (new_consts, y)
+
+        segs = (_segments(params, num_segments), _segments(consts, num_segments))
+        y, (new_consts, ends) = jax.lax.scan(segment, x, segs)
+        # ends[s] is the output of segment s (the input of segment s + 1); the last one is y.
+        anchors = jax.tree.map(lambda a: a[:-1], ends)
+        return y, _unsegment(new_consts), anchors
+
+    @jax.custom_vjp
+    def run(params, consts, x):
+        y, new_consts, _ = forward(params, consts, x)
+        return y, new_consts
+
+    def run_fwd(params, consts, x):
+        y, new_consts, anchors = forward(params, consts, x)
+        # The residuals: parameters and constants (the caller holds them anyway), the output,
+        # and num_segments - 1 anchors. Nothing per layer.
+        return (y, new_consts), (params, consts, y, anchors)
+
+    def run_bwd(res, cts):
+        params, consts, y, anchors = res
+        dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
+        if num_segments == 1:
+            dx, dparams = _backward_layers(block, params, consts, y, dy)
+            return dparams, None, dx
+
+        def segment(dy, seg):
+            p, c, end = seg
+            dx, dp = _backward_layers(block, p, c, end, dy)
+            return dx, dp
+
+        ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
+        segs = (_segments(params, num_segments), _segments(consts, num_segments), ends)
+        dx, dparams = jax.lax.scan(segment, dy, segs, reverse=True)
+        return _unsegment(dparams), None, dx
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def reversible_scan(
+    block: ReversibleBlock,
+    params: PyTree,
+    x: PyTree,
+    consts: PyTree = None,
+    *,
+    anchor_every: int | None = None,
+    recon_dtype: Any = None,
+) -> tuple[PyTree, PyTree]:
+    """Applies ``depth`` invertible blocks with a backward that reconstructs, not stores.
+
+    Compiled once (``lax.scan`` over layers). The forward saves the output, ``params``,
+    ``consts`` and ``depth / anchor_every - 1`` anchors; the backward reconstructs each block's
+    input from its output in a reverse scan, so activation memory does not grow with depth. The
+    gradient equals plain autodiff of :func:`plain_scan` up to floating-point reconstruction
+    error.
+
+    Args:
+      block: the layer, see :class:`ReversibleBlock` (e.g. from :func:`coupling_block`).
+      params: per-layer parameters stacked on a leading axis of length ``depth``; differentiated.
+      x: the input of the first block (a pytree, e.g. a pair ``(x1, x2)``).
+      consts: per-layer non-differentiated values stacked like ``params`` (PRNG keys, BatchNorm
+        statistics), or ``None``.
+      anchor_every: store the block input every ``anchor_every`` blocks so that reconstruction
+        restarts from a stored value and drift accumulates over at most ``anchor_every`` blocks;
+        must divide ``depth``. ``None``: no anchors.
+      recon_dtype: carry the residual stream, and reconstruct, in this dtype (e.g.
+        ``jnp.float32`` when the blocks compute in bfloat16). The output is cast back to the
+        dtype of ``x``.
+
+    Returns:
+      ``(y, new_consts)``: the output of the last block, and the per-layer ``new_consts`` of
+      the forward pass stacked like ``consts``. ``new_consts`` is not differentiated.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> f = lambda p, c, x: (jnp.tanh(x * p["a"]), c)
+    >>> block = rn.coupling_block(f, f)
+    >>> params = {"a": jnp.linspace(0.1, 0.5, 8)}  # depth 8
+    >>> x = (jnp.ones(3), jnp.zeros(3))
+    >>> loss = lambda p, x: jnp.sum(rn.reversible_scan(block, p, x)[0][0])
+    >>> plain = lambda p, x: jnp.sum(rn.plain_scan(block, p, x)[0][0])
+    >>> jnp.allclose(jax.grad(loss)(params, x)["a"], jax.grad(plain)(params, x)["a"], atol=1e-6)
+    Array(True, dtype=bool)
+
+    References:
+      Gomez et al. (2017), The Reversible Residual Network; Kitaev et al. (2020), Reformer: The
+      Efficient Transformer (reversible layers in a scan over layers); MemCNN (Van de Leemput
+      et al. 2019).
+    """
+    if not isinstance(block, ReversibleBlock):
+        raise TypeError(
+            f"reversible_scan: `block` must be a ReversibleBlock, got {type(block).__name__}. "
+            "Fix: rn.ReversibleBlock(forward, inverse) or rn.coupling_block(f, g)."
+        )
+    depth = _depth(params, consts)
+    num_segments = depth // _validate_anchor(anchor_every, depth)
+    dtypes = jax.tree.map(lambda a: a.dtype, x)
+    stream = _cast(x, _stream_dtypes(x, recon_dtype))
+    y, new_consts = _make_reversible(block, num_segments)(params, consts, stream)
+    return _cast(y, dtypes), new_consts
+
+
+def plain_scan(
+    block: ReversibleBlock,
+    params: PyTree,
+    x: PyTree,
+    consts: PyTree = None,
+    *,
+    recon_dtype: Any = None,
+) -> tuple[PyTree, PyTree]:
+    """The same stack as :func:`reversible_scan`, differentiated by plain autodiff.
+
+    The baseline: every block's activations are saved for the backward, so memory grows
+    linearly with depth. Same arguments and results as :func:`reversible_scan` (``recon_dtype``
+    sets the dtype of the residual stream, as there).
+
+    >>> import jax.numpy as jnp, remat_nn as rn
+    >>> block = rn.coupling_block(lambda p, c, x: (x * p, c), lambda p, c, x: (x * p, c))
+    >>> rn.plain_scan(block, jnp.ones(2), (jnp.ones(1), jnp.ones(1)))[0]
+    (Array([5.], dtype=float32), Array([8.], dtype=float32))
+    """
+    _depth(params, consts)
+    dtypes = jax.tree.map(lambda a: a.dtype, x)
+    stream = _cast(x, _stream_dtypes(x, recon_dtype))
+    y, new_consts = _forward_layers(block, params, consts, stream)
+    return _cast(y, dtypes), new_consts
+
+
+def inverse_scan(
+    block: ReversibleBlock,
+    params: PyTree,
+    y: PyTree,
+    consts: PyTree = None,
+    *,
+    recon_dtype: Any = None,
+) -> PyTree:
+    """Inverts a stack: the input ``x`` of :func:`reversible_scan` given its output ``y``.
+
+    Runs ``block.inverse`` from the last layer to the first. Not differentiable by design
+    (use it to measure drift, or to invert a flow).
+
+    >>> import jax.numpy as jnp, remat_nn as rn
+    >>> block = rn.coupling_block(lambda p, c, x: (x * p, c), lambda p, c, x: (x * p, c))
+    >>> rn.inverse_scan(block, jnp.ones(2), (jnp.array([5.0]), jnp.array([8.0])))
+    (Array([1.], dtype=float32), Array([1.], dtype=float32))
+    """
+    _depth(params, consts)
+    dtypes = jax.tree.map(lambda a: a.dtype, y)
+    stream = _cast(y, _stream_dtypes(y, recon_dtype))
+
+    def step(carry, layer):
+        return block.inverse(*layer, carry), None
+
+    x, _ = jax.lax.scan(step, stream, (params, consts), reverse=True)
+    return _cast(x, dtypes)
+
+
+# --- drift check ----------------------------------------------------------------------------------
+
+
+def check_invertible(
+    module: Any,
+    variables: PyTree,
+    x: PyTree,
+    *,
+    rngs: Any = None,
+    **kwargs: Any,
+) -> jax.Array:
+    """Measures the reconstruction error ``max |inverse(forward(x)) - x|`` of a module.
+
+    Works with any flax module that has ``forward`` and ``inverse`` methods (the couplings and
+    :class:`remat_nn.nn.ReversibleSequence`). Non-parameter collections (BatchNorm statistics)
+    are treated as mutable and their updates discarded, so a training-mode module is measured
+    without changing its state.
+
+    Args:
+      module: a flax module with ``forward`` and ``inverse`` methods.
+      variables: its variables, e.g. from ``module.init``.
+      x: an input the module accepts.
+      rngs: PRNG keys for ``apply`` (e.g. ``{"dropout": key}``); the same keys are given to the
+        forward and the inverse, so dropout masks match.
+      **kwargs: static keyword arguments for both methods (e.g. ``train=True``).
+
+    Returns:
+      A float32 scalar: the largest absolute reconstruction error over all leaves of ``x``.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as fnn, remat_nn as rn
+    >>> from remat_nn import nn
+    >>> layer = nn.AdditiveCoupling(fnn.Dense(2), fnn.Dense(2))
+    >>> x = jnp.ones((3, 4))
+    >>> variables = layer.init(jax.random.key(0), x)
+    >>> bool(rn.check_invertible(layer, variables, x) < 1e-5)
+    True
+    """
+    for method in ("forward", "inverse"):
+        if not callable(getattr(module, method, None)):
+            raise TypeError(
+                f"check_invertible: `module` must have a `{method}` method, got "
+                f"{type(module).__name__}. Fix: pass a remat_nn.nn coupling or ReversibleSequence."
+            )
+    mutable = [c for c in variables if c != "params"]
+
+    def run(variables: PyTree, method: str, value: PyTree, rngs: Any) -> PyTree:
+        out = module.apply(
+            variables, value, method=method, rngs=rngs, mutable=mutable or False, **kwargs
+        )
+        return out[0] if mutable else out
+
+    @jax.jit  # one compiled program instead of op-by-op dispatch of two scans
+    def error(variables: PyTree, x: PyTree, rngs: Any) -> jax.Array:
+        x_rec = run(variables, "inverse", run(variables, "forward", x, rngs), rngs)
+        errors = jax.tree.map(
+            lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))), x_rec, x
+        )
+        return jnp.max(jnp.stack(jax.tree.leaves(errors)))
+
+    return error(variables, x, rngs)
