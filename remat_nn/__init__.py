@@ -34,6 +34,15 @@ from remat_nn._flops import count_flops, matmul_flops
 from remat_nn._planner import PlanReport, parse_budget, plan_for_budget
 
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
+from remat_nn._inverse_rules import register_inverse
+from remat_nn._invertible import (
+    InversionEntry,
+    InversionReport,
+    Invertible,
+    custom_ivjp,
+    inversion_report,
+    invertible,
+)
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
 from remat_nn._reversible import (
@@ -73,6 +82,14 @@ __all__ = [
     "RematNNError",
     "name",
     "names",
+    # invertible
+    "InversionEntry",
+    "InversionReport",
+    "Invertible",
+    "custom_ivjp",
+    "inversion_report",
+    "invertible",
+    "register_inverse",
     # reversible
     "ReversibleBlock",
     "additive_combine",
