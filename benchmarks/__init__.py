@@ -1,0 +1,1 @@
+"""Reproducible memory and speed evidence: ``python -m benchmarks [NAME ...] [--quick]``."""

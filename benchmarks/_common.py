@@ -1,0 +1,97 @@
+"""What every benchmark shares: timing, the machine record, and writing results."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Target:
+    """A stated target: the claim, whether it was met, and the measured figure."""
+
+    claim: str
+    met: bool
+    figure: str
+
+
+@dataclass
+class Result:
+    """One benchmark's output: a markdown body, PNG figures and the targets it checks."""
+
+    name: str
+    markdown: str
+    figures: dict[str, Any] = field(default_factory=dict)  # file name -> matplotlib Figure
+    targets: list[Target] = field(default_factory=list)
+
+
+def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 7) -> float:
+    """Median wall time of ``fn()`` (blocked until ready) after ``warmup`` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """A markdown line naming the machine, the versions and the date."""
+    import flax
+    import jaxlib
+    import optax
+
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPUs, {platform.processor() or 'cpu'}, "
+        f"backend {jax.default_backend()} ({len(jax.devices())} devices); Python "
+        f"{platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"flax {flax.__version__}, optax {optax.__version__}; "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    )
+
+
+def command(names: list[str], quick: bool) -> str:
+    """The command that reproduces a result."""
+    return " ".join(["python -m benchmarks", *names, *(["--quick"] if quick else [])])
+
+
+def write(result: Result, *, quick: bool, out: Path = RESULTS) -> Path:
+    """Writes ``<out>/<name>.md`` (+ PNGs) with the machine and the command; returns the .md."""
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if quick else ""
+    lines = [
+        f"# {result.name}",
+        "",
+        f"Reproduce: `{command([result.name], quick)}`  ",
+        f"Machine: {machine()}",
+        "",
+        result.markdown,
+    ]
+    if result.targets:
+        lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
+        lines += [
+            f"| {t.claim} | {'yes' if t.met else 'NO'} | {t.figure} |" for t in result.targets
+        ]
+    for fname, fig in result.figures.items():
+        stem, ext = os.path.splitext(fname)
+        path = out / f"{stem}{suffix}{ext}"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        lines += ["", f"![{stem}]({path.name})"]
+    md = out / f"{result.name}{suffix}.md"
+    md.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), file=sys.stdout, flush=True)
+    return md
