@@ -17,8 +17,10 @@ from remat_nn.nn._coupling import (
 from remat_nn.nn._reversible import ReversibleSequence
 
 # --- blocks ---------------------------------------------------------------------------------------
+from remat_nn.nn._blocks import RematBlock
 
 __all__: list[str] = [
+    "RematBlock",
     "checkpoint",
     "remat",
     # reversible

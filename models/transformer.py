@@ -1,0 +1,448 @@
+"""A GPT-style decoder-only language model whose every activation a remat plan may want is named.
+
+Readable in one sitting, nanoGPT style: token embedding (+ learned positions, or rotary), pre-norm
+blocks (causal multi-head attention, then an MLP), a final LayerNorm and a linear head. Each
+block tags its activations with the canonical names of :mod:`remat_nn.names`, so a memory plan
+(:func:`remat_nn.plan`) can save, offload or recompute them one by one::
+
+  decoder_layer_input -> LN -> query_proj / key_proj / value_proj -> attention_scores (softmax)
+    -> context -> out_proj -> (+) -> LN = mlp_in -> mlp_hidden (gelu) -> mlp_out -> (+)
+
+The memory plan is chosen by name from :data:`REMAT_PRESETS` (one dict, each entry documented
+once), or given per name with ``remat="custom"``. ``scan_layers=True`` runs the blocks with
+``nn.scan`` (compiled once; the remat policy applies inside the scan body), ``reversible=True``
+stacks them as additive couplings (attention as F, the MLP as G) so depth costs no activation
+memory.
+
+Shape legend: B batch, T sequence, D d_model, H heads, K head width (D // H), F d_ff, V vocab.
+
+References:
+  Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (GPT-2).
+  Kitaev, Kaiser, Levskaya 2020, "Reformer: The Efficient Transformer" (reversible layers).
+  Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import pydantic
+
+import models
+import remat_nn as rn
+from remat_nn import names
+from remat_nn import nn as rnn
+
+__all__ = ["REMAT_PRESETS", "Block", "Transformer", "TransformerOptions", "build", "remat_plan"]
+
+_QKV = (names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ)
+# The per-token projections (outputs of the weight matmuls that the backward pass reads). The
+# MLP up-projection is named after its gelu (mlp_hidden), so gelu's backward still recomputes it.
+_PROJECTIONS = (*_QKV, names.OUT_PROJ, names.MLP_HIDDEN)
+
+#: Remat presets by name (MaxText's vocabulary), each a plan over the names above. ``none`` is
+#: plain autodiff (no remat at all). ``custom`` is not here: it is the ``custom_plan`` option.
+#:
+#: - ``none``: no remat; reverse-mode stores whatever it needs.
+#: - ``full``: recompute the whole block in the backward pass; only its input is kept.
+#: - ``minimal``: save the per-token projections (q, k, v, out_proj, mlp_hidden); recompute the
+#:   O(T^2) attention core, the norms and the MLP up-projection.
+#: - ``save_qkv_proj``: save q, k, v only.
+#: - ``save_dot_except_mlp``: save the attention projections q, k, v and out_proj, nothing of
+#:   the MLP.
+#: - ``save_out_proj``: save out_proj only.
+#: - ``qkv_proj_offloaded``: offload q, k, v to pinned host memory, recompute the rest.
+#: - ``minimal_offloaded``: ``minimal``'s names, offloaded to pinned host memory.
+REMAT_PRESETS: Mapping[str, rn.Plan | None] = MappingProxyType(
+    {
+        "none": None,
+        "full": rn.plan({"default": "recompute"}),
+        "minimal": rn.plan({"save": list(_PROJECTIONS)}),
+        "save_qkv_proj": rn.plan({"save": list(_QKV)}),
+        "save_dot_except_mlp": rn.plan({"save": [*_QKV, names.OUT_PROJ]}),
+        "save_out_proj": rn.plan({"save": [names.OUT_PROJ]}),
+        "qkv_proj_offloaded": rn.plan({"offload": list(_QKV)}),
+        "minimal_offloaded": rn.plan({"offload": list(_PROJECTIONS)}),
+    }
+)
+
+
+def remat_plan(remat: str, custom_plan: Mapping[str, Any] | None = None) -> rn.Plan | None:
+    """The plan a preset name stands for; ``"custom"`` builds ``custom_plan``.
+
+    Args:
+      remat: a key of :data:`REMAT_PRESETS`, or ``"custom"``.
+      custom_plan: the per-name mapping ``{"save": [...], "offload": [...], "recompute": [...],
+        "default": ...}`` used when ``remat == "custom"``.
+
+    Returns:
+      The plan, or None for ``"none"`` (no remat).
+
+    Raises:
+      ValueError: an unknown preset, or ``custom`` without ``custom_plan`` (and vice versa).
+
+    >>> remat_plan("save_qkv_proj").save
+    ('query_proj', 'key_proj', 'value_proj')
+    """
+    if remat == "custom":
+        if custom_plan is None:
+            raise ValueError(
+                "transformer: remat='custom' needs the option custom_plan, e.g. "
+                "custom_plan={'save': ['query_proj'], 'offload': ['mlp_hidden']}."
+            )
+        return rn.plan(custom_plan)
+    if custom_plan is not None:
+        raise ValueError(
+            f"transformer: custom_plan is only read with remat='custom', got remat={remat!r}. "
+            "Fix: set remat='custom' or drop custom_plan."
+        )
+    if remat not in REMAT_PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(remat, [*REMAT_PRESETS, "custom"], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"transformer: unknown remat preset {remat!r}.{hint} "
+            f"Presets: {[*REMAT_PRESETS, 'custom']}."
+        )
+    return REMAT_PRESETS[remat]
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotates pairs of channels of ``x`` (B, T, H, K) by position-dependent angles (RoPE)."""
+    _, t, _, k = x.shape
+    half = k // 2
+    freqs = 1.0 / (10_000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))  # (K/2,)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, K/2)
+    cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)  # (1, T, 1, K/2)
+    sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)  # (1, T, 1, K/2)
+    x1, x2 = x[..., :half], x[..., half:]  # (B, T, H, K/2) each
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)  # (B, T, H, K)
+
+
+class CausalSelfAttention(fnn.Module):
+    """Causal multi-head attention with materialized, named scores.
+
+    Attributes:
+      n_heads: number of heads H (d_model must be divisible by it).
+      rotary: rotate queries and keys (RoPE) instead of relying on learned positions.
+      dropout: dropout rate on the attention probabilities and the output.
+      dtype: compute dtype (parameters stay float32).
+    """
+
+    n_heads: int
+    rotary: bool = False
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @fnn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        b, t, d = x.shape
+        h, k = self.n_heads, d // self.n_heads
+        proj = lambda name: fnn.DenseGeneral((h, k), dtype=self.dtype, name=name)
+        q = rn.name(proj("query")(x), names.QUERY_PROJ)  # (B, T, H, K)
+        key = rn.name(proj("key")(x), names.KEY_PROJ)  # (B, T, H, K)
+        v = rn.name(proj("value")(x), names.VALUE_PROJ)  # (B, T, H, K)
+        if self.rotary:
+            q, key = _rotary(q), _rotary(key)
+        scores = jnp.einsum("bthk,bshk->bhts", q, key) / math.sqrt(k)  # (B, H, T, T)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # (T, T)
+        scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
+        # softmax in float32 whatever the compute dtype; stored (if saved) in the compute dtype.
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(self.dtype)
+        probs = rn.name(probs, names.ATTENTION_SCORES)  # (B, H, T, T)
+        probs = fnn.Dropout(self.dropout, deterministic=not train)(probs)
+        ctx = rn.name(jnp.einsum("bhts,bshk->bthk", probs, v), names.CONTEXT)  # (B, T, H, K)
+        out = fnn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="out")(ctx)  # (B, T, D)
+        out = rn.name(out, names.OUT_PROJ)
+        return fnn.Dropout(self.dropout, deterministic=not train)(out)
+
+
+class MLP(fnn.Module):
+    """Pre-norm MLP: LayerNorm, Dense(F), gelu, Dense(D), each output named.
+
+    Attributes:
+      d_ff: hidden width F.
+      dropout: dropout rate on the output.
+      dtype: compute dtype.
+    """
+
+    d_ff: int
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @fnn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        h = rn.name(fnn.LayerNorm(dtype=self.dtype, name="ln")(x), names.MLP_IN)  # (B, T, D)
+        h = jax.nn.gelu(fnn.Dense(self.d_ff, dtype=self.dtype, name="fc_in")(h))  # (B, T, F)
+        h = rn.name(h, names.MLP_HIDDEN)
+        out = fnn.Dense(x.shape[-1], dtype=self.dtype, name="fc_out")(h)  # (B, T, D)
+        out = rn.name(out, names.MLP_OUT)
+        return fnn.Dropout(self.dropout, deterministic=not train)(out)
+
+
+class Attention(fnn.Module):
+    """Pre-norm attention sub-layer: LayerNorm then :class:`CausalSelfAttention` (no residual).
+
+    Attributes:
+      n_heads: number of heads.
+      rotary: use rotary position embedding.
+      dropout: dropout rate.
+      dtype: compute dtype.
+    """
+
+    n_heads: int
+    rotary: bool = False
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @fnn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        y = fnn.LayerNorm(dtype=self.dtype, name="ln")(x)  # (B, T, D)
+        attn = CausalSelfAttention(
+            self.n_heads, rotary=self.rotary, dropout=self.dropout, dtype=self.dtype, name="attn"
+        )
+        return attn(y, train=train)
+
+
+class Block(fnn.Module):
+    """One pre-norm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
+
+    The call signature ``(carry, _) -> (carry, None)`` lets ``nn.scan`` run it over layers.
+
+    Attributes:
+      n_heads: number of heads.
+      d_ff: MLP hidden width.
+      rotary: rotary position embedding.
+      dropout: dropout rate.
+      dtype: compute dtype.
+      train: training mode (dropout on); an attribute so that it is static under scan/remat.
+    """
+
+    n_heads: int
+    d_ff: int
+    rotary: bool = False
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+    train: bool = False
+
+    @fnn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        x = rn.name(x, names.DECODER_LAYER_INPUT)  # (B, T, D)
+        x = x + Attention(self.n_heads, self.rotary, self.dropout, self.dtype, name="attention")(
+            x, train=self.train
+        )
+        x = x + MLP(self.d_ff, self.dropout, self.dtype, name="mlp")(x, train=self.train)
+        return x, None
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+class Transformer(fnn.Module):
+    """Decoder-only LM: ``apply(variables, tokens (B, T) int32, train=bool) -> logits (B, T, V)``.
+
+    Attributes:
+      vocab_size: V.
+      d_model: D.
+      n_heads: H (divides D).
+      n_layers: number of blocks.
+      d_ff: MLP hidden width F.
+      max_len: longest sequence (size of the learned position table).
+      position: ``"learned"`` (GPT-2) or ``"rotary"`` (RoPE in every attention).
+      scan_layers: run the blocks with ``nn.scan`` (parameters stacked on a leading layer axis).
+      remat: the memory plan of each block (a :class:`remat_nn.Plan`), or None for no remat.
+      reversible: additive couplings (attention F, MLP G) in a ``nn.ReversibleSequence``.
+      reconstruct: with ``reversible``, reconstruct activations in the backward pass; ``False``
+        differentiates the same network (same variables) by plain autodiff: the reference.
+      dropout: dropout rate (embeddings, attention probabilities, sub-layer outputs).
+      dtype: compute dtype; parameters and the loss-side logits stay float32.
+
+    >>> import jax, jax.numpy as jnp
+    >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
+    >>> tokens = jnp.zeros((2, 4), jnp.int32)
+    >>> variables = jax.jit(m.init)(jax.random.key(0), tokens)
+    >>> jax.jit(m.apply)(variables, tokens).shape
+    (2, 4, 11)
+    """
+
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_ff: int
+    max_len: int
+    position: Literal["learned", "rotary"] = "learned"
+    scan_layers: bool = True
+    remat: rn.Plan | None = REMAT_PRESETS["full"]
+    reversible: bool = False
+    reconstruct: bool = True
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @fnn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        _, t = tokens.shape
+        if t > self.max_len:
+            raise ValueError(
+                f"Transformer: sequence length {t} exceeds max_len={self.max_len}. Fix: build the "
+                f"model with max_len>={t} or feed shorter sequences."
+            )
+        embed = fnn.Embed(self.vocab_size, self.d_model, name="wte")
+        x = embed(tokens).astype(self.dtype)  # (B, T, D)
+        if self.position == "learned":
+            wpe = fnn.Embed(self.max_len, self.d_model, name="wpe")
+            x = x + wpe(jnp.arange(t))[None].astype(self.dtype)  # (1, T, D) broadcast over B
+        x = fnn.Dropout(self.dropout, deterministic=not train)(x)
+        x = self._reversible_stack(x, train) if self.reversible else self._stack(x, train)
+        x = fnn.LayerNorm(dtype=self.dtype, name="ln_f")(x)  # (B, T, D)
+        return embed.attend(x.astype(jnp.float32))  # (B, T, V), tied to the token embedding
+
+    def _stack(self, x: jax.Array, train: bool) -> jax.Array:
+        block = Block
+        if self.remat is not None:
+            # Inside scan the recomputation cannot be CSE'd away, so prevent_cse is not needed.
+            block = rnn.remat(Block, policy=self.remat, prevent_cse=not self.scan_layers)
+        kw = dict(
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            rotary=self.position == "rotary",
+            dropout=self.dropout,
+            dtype=self.dtype,
+            train=train,
+        )
+        if self.scan_layers:
+            scanned = fnn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=self.n_layers,
+            )
+            x, _ = scanned(**kw, name="blocks")(x, None)
+            return x
+        for i in range(self.n_layers):
+            x, _ = block(**kw, name=f"blocks_{i}")(x, None)
+        return x
+
+    def _reversible_stack(self, x: jax.Array, train: bool) -> jax.Array:
+        # Reformer: both halves of the stream start as the embedding; y1 = x1 + Attn(x2),
+        # y2 = x2 + MLP(y1). Activations are reconstructed in the backward pass, so depth
+        # costs no activation memory (remat plans do not apply: nothing per layer is kept).
+        f = Attention(self.n_heads, self.position == "rotary", self.dropout, self.dtype)
+        g = MLP(self.d_ff, self.dropout, self.dtype)
+        wide = jnp.dtype(self.dtype).itemsize < 4
+        stack = rnn.ReversibleSequence(
+            rnn.AdditiveCoupling(f, g),
+            depth=self.n_layers,
+            recon_dtype=jnp.float32 if wide else None,
+            reversible=self.reconstruct,
+            name="blocks",
+        )
+        y1, y2 = stack((x, x), train=train)  # (B, T, D) each
+        return (y1 + y2) / 2  # (B, T, D)
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+
+def _default_remat(remat: str | None, reversible: bool) -> str:
+    # Unset: recompute whole blocks ("full"), or nothing for reversible blocks.
+    return remat if remat is not None else ("none" if reversible else "full")
+
+
+class TransformerOptions(pydantic.BaseModel):
+    """Options of the ``transformer`` model (unknown keys rejected)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    vocab_size: pydantic.PositiveInt = 256
+    d_model: pydantic.PositiveInt = 128
+    n_heads: pydantic.PositiveInt = 4
+    n_layers: pydantic.PositiveInt = 4
+    d_ff: pydantic.PositiveInt | None = None
+    max_len: pydantic.PositiveInt = 256
+    position: Literal["learned", "rotary"] = "learned"
+    scan_layers: bool = True
+    remat: str | None = None
+    custom_plan: dict[str, Any] | None = None
+    reversible: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> TransformerOptions:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}. "
+                "Fix: choose n_heads dividing d_model."
+            )
+        if self.position == "rotary" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rotary position embedding needs an even head width, got "
+                f"d_model // n_heads = {self.d_model // self.n_heads}."
+            )
+        if self.reversible and self.remat not in (None, "none"):
+            raise ValueError(
+                f"remat={self.remat!r} with reversible=true: reversible blocks reconstruct their "
+                "activations and keep none per layer, so a remat plan has nothing to act on. "
+                "Fix: drop remat (or set remat=none), or set reversible=false."
+            )
+        remat_plan(_default_remat(self.remat, self.reversible), self.custom_plan)
+        return self
+
+
+def build(
+    *,
+    vocab_size: int = 256,
+    d_model: int = 128,
+    n_heads: int = 4,
+    n_layers: int = 4,
+    d_ff: int | None = None,
+    max_len: int = 256,
+    position: str = "learned",
+    scan_layers: bool = True,
+    remat: str | None = None,
+    custom_plan: Mapping[str, Any] | None = None,
+    reversible: bool = False,
+    dtype: str = "float32",
+    dropout: float = 0.0,
+) -> Transformer:
+    """Builds a :class:`Transformer` from validated options (see :class:`TransformerOptions`).
+
+    >>> build(d_model=32, n_heads=2, remat="save_qkv_proj").remat.save
+    ('query_proj', 'key_proj', 'value_proj')
+    """
+    return Transformer(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        d_ff=d_ff or 4 * d_model,
+        max_len=max_len,
+        position=position,  # type: ignore[arg-type]
+        scan_layers=scan_layers,
+        remat=remat_plan(_default_remat(remat, reversible), custom_plan),
+        reversible=reversible,
+        dropout=dropout,
+        dtype=jnp.dtype(dtype),
+    )
+
+
+models.register(
+    "transformer",
+    models.ModelSpec(
+        build=build,
+        options=TransformerOptions,
+        task="lm",
+        doc="GPT-style decoder LM with named activations, remat presets, scan and reversible",
+    ),
+)

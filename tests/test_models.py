@@ -1,0 +1,394 @@
+"""Reference models: shapes, parameter counts against the papers, remat presets (same loss and
+gradients, exactly the promised residuals), reversible gradients, RematBlock, the summary CLI."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+
+import models
+import remat_nn as rn
+from models import revnet as rv
+from models import summary
+from models import transformer as tr
+from remat_nn import nn
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def n_params(tree) -> int:
+    return sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(tree))
+
+
+def max_rel_err(a, b) -> float:
+    """max |a - b| / max |b| over every leaf pair, relative to each leaf's scale.
+
+    A leaf whose exact gradient is zero (the key bias: softmax ignores it) holds only round-off;
+    its scale is floored at 1% of the largest leaf so that noise does not count as error.
+    """
+    scale = max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(b))
+    errs = jax.tree.map(
+        lambda x, y: float(jnp.max(jnp.abs(x - y))) / max(float(jnp.max(jnp.abs(y))), 1e-2 * scale),
+        a,
+        b,
+    )
+    return max(jax.tree.leaves(errs))
+
+
+def random_variables(tree, seed: int = 0):
+    """Concrete variables of the shapes in ``tree``, made with NumPy (no init compile).
+
+    Kernels and embeddings ~ N(0, 1/fan_in); norm scales and BatchNorm variances near 1; biases
+    and means small. Any weights serve a gradient comparison; XLA:CPU takes a minute to
+    compile some models' `init`, this takes milliseconds.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(path, leaf):
+        key = jax.tree_util.keystr(path)
+        shape = leaf.shape
+        if key.endswith("['scale']") or key.endswith("['var']"):
+            a = 1.0 + 0.1 * rng.uniform(-1, 1, shape)
+        elif key.endswith("['bias']") or key.endswith("['mean']"):
+            a = 0.1 * rng.standard_normal(shape)
+        else:  # kernels (..., fan_in, fan_out) and embeddings (vocab, D)
+            fan_in = math.prod(shape[-4:-1]) if len(shape) >= 4 else shape[-2]
+            a = rng.standard_normal(shape) / math.sqrt(fan_in)
+        return jnp.asarray(a, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(make, tree)
+
+
+def named_residuals(fn, *args) -> dict[str, set[str]]:
+    """action ('saved' / 'offloaded') -> activation names among the residuals of fn's VJP."""
+    out: dict[str, set[str]] = {"saved": set(), "offloaded": set()}
+    for r in rn.memory_report(fn, *args).residuals:
+        if r.kind == "named":
+            out[r.action].add(r.name)
+    return out
+
+
+# --- transformer ------------------------------------------------------------------------------
+
+TINY_LM = dict(vocab_size=17, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_len=8)
+DROPOUT = dict(TINY_LM, dropout=0.2)  # train mode: every preset must recompute the same masks
+
+
+def lm_loss(module, tokens, *, train=False):
+    # An "rbg" key: dropout bits from XLA's RngBitGenerator compile in half the time of
+    # threefry on CPU; the masks are as deterministic (recomputation must reproduce them).
+    rngs = {"dropout": jax.random.key(3, impl="rbg")}
+
+    def loss(params):
+        logits = module.apply({"params": params}, tokens[:, :-1], train=train, rngs=rngs)
+        # logits: (B, T-1, V)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    return loss
+
+
+def unstack(params, n_layers):
+    """Scan parameters (layer axis first under 'blocks') -> unrolled ('blocks_i')."""
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    for i in range(n_layers):
+        out[f"blocks_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+    return out
+
+
+def shapes(module, x, **kw):
+    """(variables, output) as ShapeDtypeStructs: traced only, nothing compiled."""
+    variables = jax.eval_shape(module.init, jax.random.key(0), x)
+    return variables, jax.eval_shape(lambda v, x: module.apply(v, x, **kw), variables, x)
+
+
+def test_transformer_shapes_and_registry():
+    assert models.get("transformer").task == "lm"
+    tokens = jnp.zeros((3, 5), jnp.int32)
+    out_shape = (3, 5, TINY_LM["vocab_size"])
+    variables, out = shapes(models.build("transformer", **TINY_LM), tokens)
+    assert out.shape == out_shape and out.dtype == jnp.float32
+    blocks = variables["params"]["blocks"]
+    assert blocks["attention"]["attn"]["query"]["kernel"].shape == (2, 16, 2, 8)  # (L, D, H, K)
+    rot = models.build("transformer", **TINY_LM, position="rotary", scan_layers=False)
+    v, out = shapes(rot, tokens)
+    assert "wpe" not in v["params"] and "blocks_1" in v["params"] and out.shape == out_shape
+    rev = models.build("transformer", **TINY_LM, reversible=True, dtype="bfloat16")
+    v, out = shapes(rev, tokens)
+    assert v["params"]["blocks"]["layers"]["g"]["fc_in"]["kernel"].shape == (2, 16, 32)
+    assert out.shape == out_shape and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"remat": "minimall"}, "minimal"),
+        ({"remat": "custom"}, "custom_plan"),
+        ({"d_model": 10, "n_heads": 3}, "divisible"),
+        ({"n_layer": 2}, "n_layer"),
+        ({"reversible": True, "remat": "minimal"}, "reversible"),
+        ({"remat": "custom", "custom_plan": {"save": ["query_proj"], "offload": ["query_proj"]}},
+         "query_proj"),
+    ],
+)  # fmt: skip
+def test_transformer_options_rejected(bad, match):
+    with pytest.raises(pydantic.ValidationError, match=match):
+        models.build("transformer", **bad)
+
+
+PRESETS = [*tr.REMAT_PRESETS, "custom"]
+CUSTOM = {"save": ["attention_scores"], "offload": ["mlp_hidden"], "recompute": ["context"]}
+
+
+def _preset_kwargs(preset):
+    return {"remat": preset, "custom_plan": CUSTOM if preset == "custom" else None}
+
+
+@pytest.fixture(scope="module")
+def lm_data():
+    """Tokens, parameters, and (loss, grads) of the scanned model under every preset.
+
+    One jit for all presets: XLA:CPU compiles it in about the time of three separate ones.
+    """
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, TINY_LM["vocab_size"])
+    built = {p: models.build("transformer", **DROPOUT, **_preset_kwargs(p)) for p in PRESETS}
+    params = random_variables(jax.eval_shape(built["none"].init, jax.random.key(0), tokens))
+    params = params["params"]
+    losses = {p: jax.value_and_grad(lm_loss(m, tokens, train=True)) for p, m in built.items()}
+    results = jax.jit(lambda params: {p: f(params) for p, f in losses.items()})(params)
+    return tokens, params, results
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_same_loss_and_grads_and_promised_residuals(preset, lm_data):
+    tokens, params, results = lm_data
+    (want_loss, want_grads), (loss, grads) = results["none"], results[preset]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert max_rel_err(grads, want_grads) < 1e-5
+
+    # Residual names, on the unrolled model (inside a scan they are outputs of the scan).
+    kw = dict(DROPOUT, scan_layers=False, **_preset_kwargs(preset))
+    unrolled = lm_loss(models.build("transformer", **kw), tokens, train=True)
+    got = named_residuals(unrolled, unstack(params, TINY_LM["n_layers"]))
+    plan = tr.remat_plan(preset, CUSTOM if preset == "custom" else None)
+    if plan is None:  # no remat: autodiff keeps the named values its backward reads
+        assert got["saved"] >= {"query_proj", "key_proj", "value_proj", "context"}
+    else:
+        assert got == {"saved": set(plan.save), "offloaded": set(plan.offload)}, preset
+
+
+@pytest.mark.parametrize("preset", ["qkv_proj_offloaded", "minimal_offloaded"])
+def test_offload_presets_lower_to_host_memory(preset, lm_data):
+    # The CPU run (same gradients) is in the preset test above. XLA:CPU has one memory, and
+    # JAX lowers device_put to a memory kind as a no-op on CPU (jax/_src/dispatch.py registers
+    # the placement annotation for tpu and gpu only), so the CPU program text carries no host
+    # placement. The traced program does (device_put to MemorySpace.Host), and so does the
+    # same program lowered for TPU, which jax.export can do from this CPU machine.
+    tokens, params, *_ = lm_data
+    loss = lm_loss(models.build("transformer", **TINY_LM, remat=preset), tokens)
+    grad = jax.jit(jax.grad(loss))
+    assert "MemorySpace.Host" in str(jax.make_jaxpr(grad)(params))
+    text = jax.export.export(grad, platforms=["tpu"])(params).mlir_module()
+    assert "annotate_device_placement" in text and "pinned_host" in text
+
+
+def test_reversible_transformer_grads_equal_plain_autodiff():
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, TINY_LM["vocab_size"])
+    rev = models.build("transformer", **dict(TINY_LM, n_layers=3), reversible=True, dropout=0.1)
+    params = random_variables(jax.eval_shape(rev.init, jax.random.key(0), tokens))["params"]
+    plain = rev.clone(reconstruct=False)
+    both = jax.jit(lambda p: [jax.grad(lm_loss(m, tokens, train=True))(p) for m in (rev, plain)])
+    got, want = both(params)
+    assert max_rel_err(got, want) < 1e-4
+
+
+# --- RevNet and ResNet -----------------------------------------------------------------------
+
+#: RevNet paper (Gomez et al. 2017), Table 1, CIFAR-10 column.
+PAPER_PARAMS = {
+    "resnet32": 0.46e6,
+    "resnet110": 1.73e6,
+    "resnet164": 1.70e6,
+    "revnet38": 0.46e6,
+    "revnet110": 1.73e6,
+    "revnet164": 1.75e6,
+}
+
+
+@pytest.mark.parametrize("name", PAPER_PARAMS)
+def test_parameter_counts_match_the_paper(name):
+    module = models.build(name, num_classes=10)
+    x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+    variables, out = shapes(module, x)
+    count = n_params(variables["params"])
+    assert abs(count - PAPER_PARAMS[name]) / PAPER_PARAMS[name] < 0.03, (name, count)
+    assert out.shape == (2, 10) and out.dtype == jnp.float32
+
+
+def test_image_model_registry_and_options():
+    assert models.get("revnet164").task == "classify"
+    assert models.build("revnet", depth=110).arch == rv.ARCHS["revnet110"]
+    assert models.build("resnet164").arch.bottleneck
+    m = models.build("revnet38", width=0.5, num_classes=3, dtype="bfloat16", anchor_every=2)
+    assert m.arch.widths == (16, 32, 56) and m.num_classes == 3
+    x = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+    v, out = shapes(m, x)
+    assert out.shape == (2, 3) and out.dtype == jnp.float32
+    assert v["params"]["stage0"]["layers"]["f"]["conv0"]["kernel"].dtype == jnp.float32
+    for bad in [{"depth": 50}, {"width": 0}, {"reversible": "maybe"}, {"anchor_every": 0}]:
+        with pytest.raises(pydantic.ValidationError):
+            models.build("revnet", **bad)
+    with pytest.raises(pydantic.ValidationError, match="depth"):
+        models.build("resnet32", depth=110)  # the named variant fixes its depth
+    assert [rv._anchor(4, d) for d in (9, 8, 3, 2)] == [3, 4, 3, 2]
+
+
+# Stage 0: 2 reversible units; stages 1 and 2: one non-reversible downsampling unit each.
+TINY_REVNET = rv.Arch((2, 1, 1), (8, 16, 16), 8, bottleneck=False)
+
+
+@pytest.fixture(scope="module")
+def revnet_steps():
+    """(loss, batch_stats, grads) of the reversible and the plain RevNet, train and eval mode,
+    from one jit (one XLA:CPU compile instead of four)."""
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
+    rev = rv.RevNet(TINY_REVNET, num_classes=5)
+    variables = random_variables(jax.eval_shape(rev.init, jax.random.key(0), x))
+
+    def step(module, train):
+        def loss(params):
+            v = {"params": params, "batch_stats": variables["batch_stats"]}
+            logits, updates = module.apply(v, x, train=train, mutable=["batch_stats"])
+            return jnp.mean(jax.nn.log_softmax(logits)[:, 0]), updates["batch_stats"]
+
+        return jax.value_and_grad(loss, has_aux=True)
+
+    modules = {"reversible": rev, "plain": rev.clone(reversible=False)}
+    steps = {(k, t): step(m, t) for k, m in modules.items() for t in (True, False)}
+    results = jax.jit(lambda p: {k: f(p) for k, f in steps.items()})(variables["params"])
+    return x, variables, results
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_revnet_grads_equal_plain_autodiff_with_batchnorm(train, revnet_steps):
+    x, variables, results = revnet_steps
+    (loss, stats), grads = results["reversible", train]
+    (want_loss, want_stats), want = results["plain", train]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert max_rel_err(grads, want) < 1e-4
+    # Running averages: updated once per step, by the forward pass, in training mode only.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), stats, want_stats)
+    old = variables["batch_stats"]["stage0"]["layers"]["f"]["bn0"]["mean"]
+    new = stats["stage0"]["layers"]["f"]["bn0"]["mean"]
+    assert bool(jnp.any(new != old)) == train
+    if train:  # one momentum step: new = 0.9 old + 0.1 batch_mean (of layer 0's F input)
+        stem = rv._conv(TINY_REVNET.stem, 3, 1, jnp.float32, "stem")
+        x2 = stem.apply({"params": variables["params"]["stem"]}, x)[..., 4:]  # (B, H, W, 4)
+        batch_mean = jnp.mean(x2, axis=(0, 1, 2))
+        np.testing.assert_allclose(new[0], 0.9 * old[0] + 0.1 * batch_mean, rtol=1e-5, atol=1e-6)
+
+
+# --- RematBlock -------------------------------------------------------------------------------
+
+
+class _MLP(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+        h = rn.name(jnp.tanh(fnn.Dense(8, name="up")(x)), "mlp_hidden")
+        return fnn.Dense(x.shape[-1], name="down")(h)
+
+
+def test_remat_block_param_tree_stable_and_grads_equal():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    policies = [
+        "full",
+        "none",
+        "dots_saveable",
+        rn.plan({"save": ["mlp_hidden"]}),
+        {"offload": ["mlp_hidden"]},
+    ]
+    blocks = [nn.RematBlock(_MLP(), policy=p, pre_norm=True) for p in policies]
+    trees = [jax.eval_shape(b.init, jax.random.key(0), x) for b in blocks]
+    assert all(t == trees[0] for t in trees)
+    assert sorted(trees[0]["params"]) == ["body", "norm"]
+    variables = random_variables(trees[0])
+
+    def grads(block):
+        return jax.jit(jax.grad(lambda v: jnp.sum(block.apply(v, x) ** 2)))(variables)
+
+    want = grads(_Ref())
+    for block in blocks[::2]:  # full, dots_saveable, offload plan
+        assert max_rel_err(grads(block), want) < 1e-5
+
+
+class _Ref(fnn.Module):
+    """The RematBlock body without remat, same parameter names."""
+
+    @fnn.compact
+    def __call__(self, x):
+        return x + _MLP(name="body")(fnn.LayerNorm(name="norm")(x))
+
+
+def test_remat_block_saves_what_the_plan_says_and_tags_residual_body():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    block = nn.RematBlock(_MLP(), policy={"save": ["mlp_hidden"]})
+    v = block.init(jax.random.key(0), x)
+    got = named_residuals(lambda v: jnp.sum(block.apply(v, x) ** 2), v)
+    assert got == {"saved": {"mlp_hidden"}, "offloaded": set()}
+    names = rn.Plan().check(lambda v: block.apply(v, x), v)
+    assert rn.names.RESIDUAL_BODY in names
+
+
+def test_remat_block_in_scan():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    Stack = fnn.scan(
+        nn.RematBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+    )
+    stack = Stack(_MLP(), policy="full", carry=True, prevent_cse=False)
+    v = random_variables(jax.eval_shape(stack.init, jax.random.key(0), x, None))
+    assert v["params"]["body"]["up"]["kernel"].shape == (3, 4, 8)
+
+    def unrolled(v):
+        y = x
+        for i in range(3):
+            layer = jax.tree.map(lambda a, i=i: a[i], v)
+            y = y + _MLP().apply({"params": layer["params"]["body"]}, y)
+        return jnp.sum(y**2)
+
+    g = jax.jit(jax.grad(lambda v: jnp.sum(stack.apply(v, x, None)[0] ** 2)))(v)
+    assert max_rel_err(g, jax.jit(jax.grad(unrolled))(v)) < 1e-5
+
+
+# --- summary CLI ------------------------------------------------------------------------------
+
+
+def test_summary_list_and_errors(capsys):
+    assert summary.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer" in out
+    assert summary.main(["transfomer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "transformer" in err
+    assert summary.main(["transformer", "n_layers=-1"]) == 2
+    assert "n_layers" in capsys.readouterr().err
+    assert summary.main(["transformer", "bogus"]) == 2
+    assert "key=value" in capsys.readouterr().err
+
+
+def test_summary_transformer(capsys):
+    args = ["transformer", "n_layers=2", "d_model=16", "n_heads=2", "max_len=8", "vocab_size=11"]
+    assert summary.main([*args, "remat=save_qkv_proj", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "params" in out and "FLOPs" in out and "temp" in out
+
+
+def test_flop_counter_counts_scan_length():
+    w = jnp.ones((5, 4, 4))
+    f = lambda x: jax.lax.scan(lambda c, wi: (c @ wi, None), x, w)[0]
+    assert summary.count_matmul_flops(f, jnp.ones((2, 4))) == 5 * 2 * 2 * 4 * 4
