@@ -125,8 +125,10 @@ def _look_through(jaxpr: Any, v: Any) -> Any:
     # reduce_precision (inserted by remat) and device_put (an offload) carry a value unchanged:
     # describe the value they carry, as jax.ad_checkpoint.saved_residuals does.
     producers = {o: e for e in jaxpr.eqns for o in e.outvars}
-    while (e := producers.get(v)) is not None and (
-        e.primitive is lax_internal.reduce_precision_p or e.primitive.name == "device_put"
+    while (
+        not isinstance(v, core.Literal)
+        and (e := producers.get(v)) is not None
+        and (e.primitive is lax_internal.reduce_precision_p or e.primitive.name == "device_put")
     ):
         v = e.invars[0]
     return v
@@ -175,6 +177,9 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
             out.append(Residual(None, "literal", "", "", "", shape, dtype, nbytes, action))
             continue
         v = _look_through(jaxpr, v)
+        if isinstance(v, core.Literal):
+            out.append(Residual(None, "literal", "", "", "", shape, dtype, nbytes, action))
+            continue
         if v in invars:
             src = arg_names[invars[v]]
             out.append(Residual(None, "argument", src, "", "", shape, dtype, nbytes, action))
