@@ -1,0 +1,367 @@
+"""The trainer end to end: resume equality, donation, sharding, device-count restore, 2 processes.
+
+Runs use a tiny MLP registered here (uniform init, BatchNorm and dropout, so batch stats and the
+rng are part of what must resume exactly) on the embedded digits data, a few steps each. Runs
+in subprocesses import this module to register the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+import models
+from train import loop
+from train import state as state_lib
+from train.checkpoint import Checkpointer
+from train.config import Checkpoint, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "tiny_mlp_for_train_tests"
+
+
+class TinyOptions(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    num_classes: int = 10
+    width: int = 16
+
+
+class TinyMLP(fnn.Module):
+    num_classes: int = 10
+    width: int = 16
+
+    @fnn.compact
+    def __call__(self, x, train: bool = False):
+        # x (B, H, W, C) -> logits (B, K). Uniform init: cheap to compile on CPU.
+        init = fnn.initializers.variance_scaling(1.0, "fan_in", "uniform")
+        h = fnn.Dense(self.width, kernel_init=init)(x.reshape(x.shape[0], -1))
+        h = fnn.BatchNorm(use_running_average=not train)(h)
+        h = fnn.Dropout(0.1, deterministic=not train)(fnn.relu(h))
+        return fnn.Dense(self.num_classes, kernel_init=init)(h)
+
+
+def register_tiny() -> None:
+    if TINY not in models.REGISTRY:
+        spec = models.ModelSpec(build=TinyMLP, options=TinyOptions, task="classify", doc="tests")
+        models.register(TINY, spec)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_model_registered():
+    # Registered only while this module runs, so registry-wide tests elsewhere never see it.
+    register_tiny()
+    yield
+    models.REGISTRY.pop(TINY, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    # Every run here compiles the same few programs; XLA:CPU compiles are the bulk of the time,
+    # so share them through JAX's persistent cache (this module and its subprocesses only).
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")  # fmt: skip
+    before = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (path, 0.0, -1), strict=True):
+        jax.config.update(n, v)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    yield path
+    del (
+        os.environ["JAX_COMPILATION_CACHE_DIR"],
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"],
+    )
+    for n, v in before.items():
+        jax.config.update(n, v)
+    compilation_cache.reset_cache()
+
+
+def make_cfg(run_dir, *overrides: str):
+    return load_config(
+        None,
+        [
+            f"model.name={TINY}",
+            "data.source=digits",
+            "data.batch_size=32",
+            "train.steps=8",
+            "train.log_every=2",
+            "train.eval_every=4",
+            "train.eval_batches=2",
+            "train.plot=false",
+            "checkpoint.every=2",
+            "checkpoint.keep=2",
+            "optim.warmup_steps=2",
+            f"run_dir={run_dir}",
+            *overrides,
+        ],
+    )
+
+
+def cli_argv(run_dir, *overrides: str) -> list[str]:
+    return [
+        f"model.name={TINY}", "data.batch_size=32", "train.steps=8", "train.log_every=1",
+        "train.eval_every=4", "train.eval_batches=2", "train.plot=false", "checkpoint.every=2",
+        "optim.warmup_steps=2", f"run_dir={run_dir}", *overrides,
+    ]  # fmt: skip
+
+
+def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **kw):
+    """``python -m train`` with this module's model registered, in a fresh process."""
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+        "import test_train_run; test_train_run.register_tiny(); "
+        "from train.__main__ import main; "
+        f"raise SystemExit(main({argv!r}))"
+    )
+    full_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
+    full_env.pop("XLA_FLAGS", None)
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=full_env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw,
+    )  # fmt: skip
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def metrics(run_dir, split="train") -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+# --- resume --------------------------------------------------------------------------------------
+
+
+def test_resumed_run_is_bit_identical(tmp_path):
+    full = loop.run(make_cfg(tmp_path / "full", "train.plot=true"))
+    first = loop.run(make_cfg(tmp_path / "resumed"), stop_after=4)
+    assert first.step == 4 and first.resumed_from is None
+    second = loop.run(make_cfg(tmp_path / "resumed"))
+    assert second.resumed_from == 4 and second.step == 8
+
+    # Params, optimizer state, batch stats, rng and step: all bit-identical.
+    for a, b in zip(leaves(full.state), leaves(second.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert [r["loss"] for r in metrics(tmp_path / "full")] == [
+        r["loss"] for r in metrics(tmp_path / "resumed")
+    ]
+
+    run_dir = tmp_path / "full"
+    assert {"config.yaml", "metrics.jsonl", "plot.png", "checkpoints"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    kept = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-2:] == [6, 8] and len(kept) <= 3  # keep-last-2, plus the best by eval accuracy
+    assert [r["step"] for r in metrics(run_dir, "eval")] == [4, 8]
+    assert load_config(run_dir / "config.yaml").train.steps == 8
+
+
+def test_debug_config_resumes_bit_identically(tmp_path):
+    # The shipped debug config (a real registered transformer): stopped at 4 and resumed.
+    def cfg(name):
+        return load_config(ROOT / "configs/debug.yaml",
+                           [f"run_dir={tmp_path / name}", "train.steps=8", "train.plot=false",
+                            "checkpoint.every=4", "train.eval_every=0"])  # fmt: skip
+
+    full = loop.run(cfg("full"))
+    loop.run(cfg("resumed"), stop_after=4)
+    resumed = loop.run(cfg("resumed"))
+    assert resumed.resumed_from == 4
+    for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# --- donation ------------------------------------------------------------------------------------
+
+
+def _toy_state():
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    return state_lib.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params,
+        opt_state=jax.tree.map(jnp.zeros_like, params),
+        batch_stats={}, rng=jax.random.key_data(jax.random.key(0)),
+    )  # fmt: skip
+
+
+def _toy_step(state, batch):
+    params = jax.tree.map(lambda p: p - 0.1 * batch.mean(), state.params)
+    return state._replace(step=state.step + 1, params=params), batch.sum()
+
+
+def test_donation_is_verified_and_its_absence_fails_loudly():
+    batch = jnp.ones(4)
+    donated = jax.jit(_toy_step, donate_argnums=0).lower(_toy_state(), batch).compile()
+    assert state_lib.verify_donation(donated, _toy_state()) >= 4 * 4 * 4 + 4 * 4
+    state = _toy_state()
+    old = jax.tree_util.tree_leaves_with_path(state)
+    state, _ = donated(state, batch)
+    state_lib.verify_donated_inputs_deleted(old)
+
+    copied = jax.jit(_toy_step).lower(_toy_state(), batch).compile()
+    with pytest.raises(state_lib.DonationError, match="aliases 0 bytes"):
+        state_lib.verify_donation(copied, _toy_state())
+    kept = _toy_state()
+    old = jax.tree_util.tree_leaves_with_path(kept)
+    copied(kept, batch)
+    with pytest.raises(state_lib.DonationError, match="not consumed"):
+        state_lib.verify_donated_inputs_deleted(old)
+
+
+# --- sharding -------------------------------------------------------------------------------------
+
+
+def test_fsdp_sharded_run_matches_single_device(tmp_path):
+    sharded = loop.run(
+        make_cfg(tmp_path / "s", "mesh.data=4", "mesh.fsdp=2", "mesh.fsdp_min_size=0")
+    )
+    single = loop.run(make_cfg(tmp_path / "1", "mesh.data=1", "mesh.fsdp=1"))
+    kernel = sharded.state.params["Dense_0"]["kernel"]
+    assert "fsdp" in kernel.sharding.spec and len(kernel.sharding.device_set) == 8
+    momentum = jax.tree.leaves(sharded.state.opt_state)
+    assert any("fsdp" in getattr(x.sharding, "spec", ()) for x in momentum)
+    assert single.state.params["Dense_0"]["kernel"].sharding.device_set == {jax.devices()[0]}
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(tmp_path / "s")],
+        [r["loss"] for r in metrics(tmp_path / "1")],
+        rtol=1e-5,
+    )
+    for a, b in zip(leaves(sharded.state.params), leaves(single.state.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- restore onto another device count, SIGTERM ---------------------------------------------------
+
+
+def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
+    run_dir = tmp_path / "moved"
+    steps = ["train.steps=100", "checkpoint.every=4"]
+    reference = loop.run(make_cfg(tmp_path / "ref", *steps))
+
+    loop.run(make_cfg(run_dir, *steps), stop_after=4)  # 8 devices, checkpoint at step 4
+    # 1 device: resumes at 4, takes a few steps, then SIGTERM saves a checkpoint and exits.
+    proc = cli(cli_argv(run_dir, *steps, "checkpoint.every=1000"), devices=1)
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 7:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "'data': 1, 'fsdp': 1" in out and "resumed from" in out and "SIGTERM" in out
+    stopped_at = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 7 <= stopped_at < 100
+
+    back = loop.run(make_cfg(run_dir, *steps))  # 8 devices again
+    assert back.resumed_from == stopped_at and back.step == 100
+    for a, b in zip(leaves(reference.state), leaves(back.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- multi-process --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(run_dir, *extra: str) -> list[str]:
+    port = _free_port()
+    procs = [
+        cli(
+            [
+                *cli_argv(run_dir, "train.steps=6", "train.eval_every=3"),
+                *extra,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            devices=2,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = []
+    deadline = time.monotonic() + 150
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out
+    return outs
+
+
+def test_two_process_run_saves_and_resumes(tmp_path):
+    run_dir = tmp_path / "mp"
+    first = _two_processes(run_dir, "--stop-after", "3")
+    assert "on 2 process(es)" in first[0] and "'data': 4" in first[0]
+    assert first[1].count("step") == 0  # only process 0 logs
+    second = _two_processes(run_dir)
+    assert "resumed from" in second[0] and "(step 3)" in second[0]
+
+    # Same data, same global batch, 4 devices in one process: the same losses.
+    single = loop.run(make_cfg(tmp_path / "one", "train.steps=6", "train.eval_every=3",
+                               "train.log_every=1", "mesh.data=4"))  # fmt: skip
+    assert single.step == 6
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(run_dir)], [r["loss"] for r in metrics(tmp_path / "one")],
+        rtol=1e-5,
+    )  # fmt: skip
+
+
+# --- non-finite loss, bfloat16, dry run -----------------------------------------------------------
+
+
+def test_nonfinite_loss_halts_keeping_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "nan"
+    loop.run(make_cfg(run_dir), stop_after=2)
+    explode = ("optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=1e38")
+    with pytest.raises(loop.NonFiniteError, match=r"not finite at step 3 .*checkpoint is step 2"):
+        loop.run(make_cfg(run_dir, *explode))
+    assert Checkpointer(run_dir / "checkpoints", Checkpoint()).all_steps() == [2]
+
+    skip = ("train.on_nonfinite=skip", "train.steps=2", "train.eval_every=0")
+    skipped = loop.run(make_cfg(tmp_path / "skip", *explode, *skip))
+    assert skipped.step == 2 and metrics(tmp_path / "skip")[-1]["skipped"] == 2
+    assert all(np.isfinite(x).all() for x in leaves(skipped.state.params))
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
+    result = loop.run(make_cfg(tmp_path / "bf16", "train.compute_dtype=bfloat16", "train.steps=2"))
+    assert {x.dtype for x in jax.tree.leaves(result.state.params)} == {jnp.dtype("float32")}
+    assert np.isfinite(metrics(tmp_path / "bf16")[-1]["loss"])
+
+
+def test_dry_run_prints_parameters_and_memory(tmp_path):
+    lines: list[str] = []
+    result = loop.run(make_cfg(tmp_path / "dry"), dry_run=True, out=lines.append)
+    text = "\n".join(lines)
+    assert result.state is None and not (tmp_path / "dry").exists()
+    for expected in ("parameters:", "Dense_0", "total", "memory report", "XLA compiled memory",
+                     "alias", "donation"):  # fmt: skip
+        assert expected in text, text

@@ -1,0 +1,114 @@
+"""``python -m train --config configs/revnet.yaml [key.sub=value ...]``: train one configured run.
+
+Rerunning the same command resumes from the run directory's latest complete checkpoint
+(``--restart`` starts over). SIGTERM / SIGINT save a checkpoint and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+_EPILOG = """\
+overrides:
+  Any option below as key.sub=value (YAML values: 3, 1e-3, true, [a, b], {save: [x]}), e.g.
+    python -m train --config configs/debug.yaml train.steps=50 optim.lr=3e-3 mesh.fsdp=2
+
+exit codes: 0 done (or stopped by --stop-after), 1 training failed (e.g. NaN halt),
+  2 invalid config or arguments, 128+N stopped by signal N after saving a checkpoint.
+
+multi-process: start one process per host with the same command plus
+  --coordinator HOST:PORT --num-processes N --process-id I
+  (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment).
+
+config options:
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from train.config import describe_options
+
+    p = argparse.ArgumentParser(
+        prog="python -m train",
+        description=__doc__,
+        epilog=_EPILOG + describe_options(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the model, print parameters, the remat plan's memory report and XLA's "
+        "compiled memory of the train step, and exit without training",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete this run's checkpoints and metrics and start from step 0",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="N",
+        help="take at most N steps in this invocation, checkpoint and exit",
+    )
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: process 0's address")
+    p.add_argument("--num-processes", type=int, metavar="N", help="multi-process: process count")
+    p.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's id")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    from train.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    for flag, key in (
+        (args.coordinator, "distributed.coordinator_address"),
+        (args.num_processes, "distributed.num_processes"),
+        (args.process_id, "distributed.process_id"),
+    ):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: invalid config\n{e}", file=sys.stderr)
+        return 2
+    if args.stop_after is not None and args.stop_after < 1:
+        print("error: --stop-after must be a positive number of steps", file=sys.stderr)
+        return 2
+
+    # Before any JAX computation: multi-process setup.
+    from train.sharding import initialize_distributed
+
+    try:
+        initialize_distributed(cfg.distributed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from train.loop import NonFiniteError, run
+    from train.state import DonationError
+
+    try:
+        result = run(cfg, restart=args.restart, dry_run=args.dry_run, stop_after=args.stop_after)
+    except (NonFiniteError, DonationError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        # Bad data paths, batch sizes that do not fit the mesh, ...: the message names the fix.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        import signal
+
+        return 128 + int(signal.Signals[result.interrupted])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

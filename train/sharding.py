@@ -1,0 +1,146 @@
+"""Device mesh, shardings and multi-process setup.
+
+The mesh has two axes, ``data`` and ``fsdp``. Batches are split over both (every device sees
+different examples); parameters and optimizer state are split over ``fsdp`` (each array along
+its largest dimension that ``fsdp`` divides; small arrays stay replicated). With ``fsdp: 1``
+that is plain data parallelism. The same code runs on CPU, GPU and TPU: nothing here assumes a
+platform, and a batch size per device scales with the mesh.
+
+>>> from train.config import Mesh
+>>> mesh = make_mesh(Mesh(data=-1, fsdp=2))
+>>> dict(mesh.shape)
+{'data': 4, 'fsdp': 2}
+>>> array_sharding(jax.ShapeDtypeStruct((64, 32), jnp.float32), mesh, min_size=0).spec
+P('fsdp', None)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train.config import Distributed, Mesh
+
+__all__ = [
+    "BATCH_AXES",
+    "array_sharding",
+    "batch_sharding",
+    "global_batch",
+    "initialize_distributed",
+    "make_mesh",
+    "per_device_bytes",
+    "replicated",
+    "state_shardings",
+]
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def initialize_distributed(cfg: Distributed) -> bool:
+    """Calls ``jax.distributed.initialize`` when more than one process is configured.
+
+    Values come from the config (or CLI flags), else from ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. Must run before any JAX computation.
+
+    Returns:
+      Whether the distributed system was initialised.
+    """
+    address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    env_n, env_id = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+    num = cfg.num_processes or (int(env_n) if env_n else None)
+    pid = cfg.process_id if cfg.process_id is not None else (int(env_id) if env_id else None)
+    if not num or num == 1:
+        return False
+    if address is None or pid is None:
+        raise ValueError(
+            f"distributed: num_processes={num} needs a coordinator address and a process id; "
+            f"got address={address!r}, process_id={pid!r}. Fix: --coordinator HOST:PORT "
+            "--process-id I (or JAX_COORDINATOR_ADDRESS / JAX_PROCESS_ID)."
+        )
+    # Cross-process collectives of the CPU backend (a no-op for GPU/TPU devices): without it
+    # a multi-process CPU run cannot all-reduce.
+    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return True
+
+
+def make_mesh(cfg: Mesh, devices: list[Any] | None = None) -> jax.sharding.Mesh:
+    """The ``(data, fsdp)`` mesh over ``devices`` (default: all devices of all processes).
+
+    With both sizes given and their product smaller than the device count, the mesh uses the
+    first ``data * fsdp`` devices (e.g. ``mesh: {data: 1, fsdp: 1}`` runs on one device).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    data, fsdp = cfg.data, cfg.fsdp
+    if data == -1:
+        data = n // fsdp if n % fsdp == 0 else 0
+    if fsdp == -1:
+        fsdp = n // data if n % data == 0 else 0
+    if data * fsdp == 0 or data * fsdp > n:
+        raise ValueError(
+            f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not fit the {n} devices. Fix: sizes "
+            f"whose product divides {n}, or -1 for one axis."
+        )
+    if data * fsdp < n and jax.process_count() > 1:
+        raise ValueError(
+            f"mesh: data={data} x fsdp={fsdp} leaves devices unused in a {jax.process_count()}-"
+            "process run; every process needs devices in the mesh. Fix: use -1 for one axis."
+        )
+    return jax.make_mesh(
+        (data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+        devices=devices[: data * fsdp],
+    )  # fmt: skip
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over every device of the mesh."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def array_sharding(x: Any, mesh: jax.sharding.Mesh, *, min_size: int) -> NamedSharding:
+    """FSDP sharding of one state array: its largest dimension divisible by ``fsdp``."""
+    n = mesh.shape["fsdp"]
+    if n == 1 or x.ndim == 0 or math.prod(x.shape) < min_size:
+        return replicated(mesh)
+    for dim in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        if x.shape[dim] % n == 0:
+            spec = [None] * x.ndim
+            spec[dim] = "fsdp"
+            return NamedSharding(mesh, P(*spec))
+    return replicated(mesh)
+
+
+def state_shardings(abstract_state: Any, mesh: jax.sharding.Mesh, *, min_size: int) -> Any:
+    """A sharding for every leaf of the train state (optimizer state follows param shapes)."""
+    return jax.tree.map(lambda x: array_sharding(x, mesh, min_size=min_size), abstract_state)
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Assembles each process's rows into global arrays split over the batch axes."""
+    n = jax.process_count()
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * n, *v.shape[1:]))
+        for k, v in local.items()
+    }
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes of ``tree`` held on one device (the largest shard of each array)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total

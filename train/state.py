@@ -1,0 +1,319 @@
+"""The train state, the optimizer, and the donated train step.
+
+The whole :class:`TrainState` is one pytree donated to the jitted step
+(``jax.jit(step, donate_argnums=0)``): XLA writes the new state into the old state's buffers, so a
+step holds one copy of params and optimizer state, not two. :func:`verify_donation` proves it
+happened, from XLA's own numbers and from the deleted input buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from train.config import Optim
+from train.sharding import per_device_bytes
+
+__all__ = [
+    "DonationError",
+    "TrainState",
+    "copy_state",
+    "eval_zeros",
+    "make_eval_step",
+    "make_init",
+    "make_optimizer",
+    "make_train_step",
+    "verify_donation",
+    "verify_donated_inputs_deleted",
+]
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes; donated whole to the jitted step."""
+
+    step: jax.Array  # () int32: optimizer steps taken
+    params: Any  # float32 master weights (pytree of arrays)
+    opt_state: Any  # optax state, leaves shaped like params (plus scalar counts)
+    batch_stats: Any  # BatchNorm running statistics ({} for models without BatchNorm)
+    rng: jax.Array  # (2,) uint32 raw key data; split once per step
+
+
+class DonationError(RuntimeError):
+    """The train step did not reuse the state's buffers: memory holds two copies of the state.
+
+    Typical causes: a leaf passed twice (two state fields sharing one buffer), an output whose
+    sharding or dtype differs from its input (then XLA cannot alias them), a restored array
+    whose buffer XLA does not own (re-materialise it with :func:`copy_state`, jax#18617).
+    """
+
+
+# --- optimizer ------------------------------------------------------------------------------------
+
+
+def _decay_mask(params: Any) -> Any:
+    # Weight decay only on matrices and kernels: biases, norm scales (rank < 2) are not decayed.
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(
+    cfg: Optim, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax transformation of ``cfg`` and its learning-rate schedule.
+
+    >>> from train.config import Optim
+    >>> tx, lr = make_optimizer(Optim(lr=0.1, warmup_steps=10, schedule="cosine"), 100)
+    >>> [round(float(lr(s)), 6) for s in (0, 5, 10, 100)]
+    [0.0, 0.05, 0.1, 0.0]
+    """
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0,
+            cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=max(total_steps, cfg.warmup_steps + 1),
+            end_value=cfg.lr * cfg.final_lr_fraction,
+        )
+    elif cfg.warmup_steps:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+            [cfg.warmup_steps],
+        )
+    else:
+        schedule = optax.constant_schedule(cfg.lr)
+    mask = None if cfg.decay_all else _decay_mask
+    parts = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    if cfg.name == "sgd":
+        if cfg.weight_decay:
+            parts.append(optax.add_decayed_weights(cfg.weight_decay, mask))
+        parts.append(optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov))
+    else:
+        parts.append(
+            optax.adamw(
+                schedule,
+                b1=cfg.b1,
+                b2=cfg.b2,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                mask=mask,
+            )  # fmt: skip
+        )
+    return optax.chain(*parts), schedule
+
+
+# --- init -----------------------------------------------------------------------------------------
+
+
+def make_init(
+    model: fnn.Module, tx: optax.GradientTransformation, example_x: Any, *, seed: int
+) -> Callable[[], TrainState]:
+    """``init() -> TrainState``; jit it with ``out_shardings`` so each leaf is born sharded.
+
+    Args:
+      model: the flax module.
+      tx: the optimizer.
+      example_x: shape and dtype of an input batch (anything with ``.shape``, ``.dtype``).
+      seed: seeds params, dropout and the per-step rng.
+    """
+
+    def init() -> TrainState:
+        root = jax.random.key(seed)
+        k_params, k_dropout, k_train = jax.random.split(root, 3)
+        x = jnp.zeros(example_x.shape, example_x.dtype)
+        variables = model.init({"params": k_params, "dropout": k_dropout}, x, train=False)
+        params = variables["params"]
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            batch_stats=variables.get("batch_stats", {}),
+            rng=jax.random.key_data(k_train),
+        )
+
+    return init
+
+
+def copy_state(state: TrainState, shardings: Any) -> TrainState:
+    """Fresh XLA-owned buffers with the same values (so the next step can donate them).
+
+    Restored arrays are not guaranteed to own donatable buffers (jax#18617: the first step after
+    a restore kept two copies of the state). With the pinned jax/orbax on CPU they happen to
+    donate without this (measured); the copy, once per restore, makes it so on every backend,
+    and the trainer's deletion check after the first step proves it.
+    """
+    return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(state)
+
+
+# --- step -----------------------------------------------------------------------------------------
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)  # fmt: skip
+
+
+def _loss_and_accuracy(logits: jax.Array, labels: jax.Array, weights: jax.Array | None):
+    # logits (..., K) float32, labels (...) int32, weights (...) or None: sums and count.
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    if weights is None:
+        weights = jnp.ones_like(losses)
+    return (losses * weights).sum(), (correct * weights).sum(), weights.sum()
+
+
+def make_loss_fn(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool) -> Callable:
+    """``loss_fn(params, batch_stats, batch, key) -> (loss, (accuracy, new_batch_stats))``.
+
+    With ``compute_dtype=bfloat16`` the float32 master weights and float inputs are cast to
+    bfloat16 for the forward and backward; the loss, gradients and update stay float32.
+    """
+
+    def loss_fn(params, batch_stats, batch, key):
+        variables = {"params": _cast_floats(params, compute_dtype)}
+        if has_batch_stats:
+            variables["batch_stats"] = batch_stats
+        x = batch["x"]
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(compute_dtype)
+        out = model.apply(
+            variables, x, train=True, rngs={"dropout": key},
+            mutable=["batch_stats"] if has_batch_stats else False,
+        )  # fmt: skip
+        logits, new_vars = out if has_batch_stats else (out, {})
+        loss_sum, correct, count = _loss_and_accuracy(logits.astype(jnp.float32), batch["y"], None)
+        new_stats = new_vars.get("batch_stats", batch_stats)
+        new_stats = jax.tree.map(lambda n, o: n.astype(o.dtype), new_stats, batch_stats)
+        return loss_sum / count, (correct / count, new_stats)
+
+    return loss_fn
+
+
+def make_train_step(
+    model: fnn.Module,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    *,
+    compute_dtype: Any = jnp.float32,
+    has_batch_stats: bool,
+    skip_nonfinite: bool = False,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """``step(state, batch) -> (new_state, metrics)``; jit it with ``donate_argnums=0``.
+
+    Metrics (device scalars): loss, accuracy, grad_norm, lr, finite (loss, gradient norm and
+    update norm are finite). With ``skip_nonfinite`` a non-finite step leaves params, optimizer
+    state and batch stats unchanged (the step counter and rng still advance).
+    """
+    loss_fn = make_loss_fn(model, compute_dtype=compute_dtype, has_batch_stats=has_batch_stats)
+
+    def step(state: TrainState, batch: dict[str, jax.Array]):
+        rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (accuracy, batch_stats)), grads = grad_fn(
+            state.params, state.batch_stats, batch, key
+        )
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # Checked before the state can hold Inf: loss, gradient and the update itself.
+        finite = (
+            jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        )
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            params = keep(params, state.params)
+            opt_state = keep(opt_state, state.opt_state)
+            batch_stats = keep(batch_stats, state.batch_stats)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            batch_stats=batch_stats,
+            rng=jax.random.key_data(rng),
+        )
+        metrics = {
+            "loss": loss,
+            "accuracy": accuracy,
+            "grad_norm": grad_norm,
+            "lr": jnp.asarray(schedule(state.step), jnp.float32),
+            "finite": finite,
+        }
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool) -> Callable:
+    """``eval_step(state, batch, sums) -> sums``: adds the masked batch's loss sum, correct
+    predictions and example count to ``sums`` (start from :func:`eval_zeros`)."""
+
+    def eval_step(state: TrainState, batch: dict[str, jax.Array], sums: dict[str, jax.Array]):
+        variables = {"params": _cast_floats(state.params, compute_dtype)}
+        if has_batch_stats:
+            variables["batch_stats"] = state.batch_stats
+        x = batch["x"]
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(compute_dtype)
+        logits = model.apply(variables, x, train=False).astype(jnp.float32)
+        loss_sum, correct, count = _loss_and_accuracy(logits, batch["y"], batch["mask"])
+        return {
+            "loss_sum": sums["loss_sum"] + loss_sum,
+            "correct": sums["correct"] + correct,
+            "count": sums["count"] + count,
+        }
+
+    return eval_step
+
+
+def eval_zeros() -> dict[str, np.ndarray]:
+    """The starting sums of :func:`make_eval_step`."""
+    return {k: np.zeros((), np.float32) for k in ("loss_sum", "correct", "count")}
+
+
+# --- donation -------------------------------------------------------------------------------------
+
+
+def verify_donation(compiled: Any, state: Any) -> int:
+    """Checks XLA aliases every state byte of the compiled step to an output.
+
+    Args:
+      compiled: ``jax.jit(step, donate_argnums=0).lower(state, batch).compile()``.
+      state: the state (arrays or ``ShapeDtypeStruct`` with shardings).
+
+    Returns:
+      The aliased bytes per device (``memory_analysis().alias_size_in_bytes``).
+
+    Raises:
+      DonationError: fewer bytes aliased than the state holds on one device.
+    """
+    analysis = compiled.memory_analysis()
+    need = per_device_bytes(state)
+    if analysis is None:  # a backend without memory analysis: the deletion check still runs
+        return need
+    alias = int(analysis.alias_size_in_bytes)
+    if alias < need:
+        raise DonationError(
+            f"train step: XLA aliases {alias} bytes per device but the donated state holds "
+            f"{need}; the state is not (fully) donated, so a step keeps two copies of it. "
+            "Fix: jit the step with donate_argnums=0 and return every state leaf with its input's "
+            "shape, dtype and sharding."
+        )
+    return alias
+
+
+def verify_donated_inputs_deleted(old_leaves: list[tuple[Any, jax.Array]]) -> None:
+    """Checks every donated input buffer was consumed (``is_deleted()``) by the step."""
+    alive = [jax.tree_util.keystr(path) for path, x in old_leaves if not x.is_deleted()]
+    if alive:
+        shown = ", ".join(alive[:5]) + (f" and {len(alive) - 5} more" if len(alive) > 5 else "")
+        raise DonationError(
+            f"train step: {len(alive)} donated state buffers were not consumed ({shown}); the "
+            "step copied them instead of reusing them. Fix: re-materialise restored arrays "
+            "(train.state.copy_state) and keep state leaves distinct buffers."
+        )
