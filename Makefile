@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/revnet.yaml
 FLAX   := $(shell sed -n 's/^flax==//p' requirements.lock)
 
-.PHONY: setup run test lint clean
+.PHONY: setup run demo test lint clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ $(STAMP): requirements.lock pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
+	$(PY) -m train --config $(CONFIG)
+
+demo: $(STAMP)
 	$(PY) -m remat_nn
 
 lint: $(STAMP)
