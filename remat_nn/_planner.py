@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from remat_nn._flops import jaxpr_flops
 from remat_nn._memory import compiled_memory, format_bytes, memory_report
 from remat_nn._plan import Plan, names_in_jaxpr
-from remat_nn._policies import policy as resolve_policy
 from remat_nn.errors import PlanError
 
 __all__ = [
@@ -268,7 +267,7 @@ class PlanReport:
 
 
 def _grad_flops(fn: Callable[..., Any], args: Sequence[Any], the_plan: Plan) -> int:
-    loss = functools.partial(fn, policy=the_plan.to_policy())
+    loss = functools.partial(fn, policy=the_plan)
     return jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr)
 
 
@@ -289,8 +288,10 @@ def plan_for_budget(
     """Finds the fastest plan whose compiled temp memory fits ``budget``.
 
     Args:
-      fn: ``fn(*args, policy=p)`` returns a scalar loss and applies ``p`` where it remats (as for
-        :func:`remat_nn.compare_policies`); its activations are tagged with ``rn.name``.
+      fn: ``fn(*args, policy=p)`` returns a scalar loss and applies ``p`` where it remats; ``p``
+        is a :class:`remat_nn.Plan` or ``"none"`` (no remat), both of which ``nn.remat``,
+        ``rn.checkpoint`` and ``rn.policy`` accept, and a model can take as its plan. Its
+        activations are tagged with ``rn.name``.
       *args: the arguments of ``fn``; the gradient is taken with respect to the first.
       budget: bound on XLA's temp bytes of ``jax.grad(fn)``: ``"2GiB"``, bytes, or a fraction
         of the no-remat temp memory (``0.5``).
@@ -320,7 +321,7 @@ def plan_for_budget(
         raise PlanError(
             f"plan_for_budget: `allow` must include 'save' and only {_ACTIONS}, got {tuple(allow)}."
         )
-    probe = functools.partial(fn, policy=resolve_policy("nothing_saveable"))
+    probe = functools.partial(fn, policy=Plan())  # recompute everything: just to find the names
     found = sorted(set(names_in_jaxpr(jax.make_jaxpr(probe)(*args).jaxpr)))
     if not found:
         raise PlanError(
@@ -328,11 +329,8 @@ def plan_for_budget(
             "Fix: tag the activations (rn.name(x, 'mlp_hidden')) inside the remat'd body."
         )
     save_all, save_none = Plan(save=tuple(found)), Plan(recompute=tuple(found))
-    no_remat = _temp(fn, args, resolve_policy("everything_saveable"))
-    temp_all, temp_none = (
-        _temp(fn, args, save_all.to_policy()),
-        _temp(fn, args, save_none.to_policy()),
-    )
+    no_remat = _temp(fn, args, "none")
+    temp_all, temp_none = _temp(fn, args, save_all), _temp(fn, args, save_none)
     budget_bytes = parse_budget(budget, reference_bytes=no_remat)
     if budget_bytes < temp_none:
         raise PlanError(
@@ -343,7 +341,7 @@ def plan_for_budget(
         )
     # --- cost model ---
     flops_rate = flops_per_second or _measured_flops_per_second()
-    by_name = memory_report(functools.partial(fn, policy=save_all.to_policy()), *args).by_name()
+    by_name = memory_report(functools.partial(fn, policy=save_all), *args).by_name()
     base_flops = _grad_flops(fn, args, save_all)
     costs = []
     for n in found:
@@ -374,7 +372,7 @@ def plan_for_budget(
             offload=tuple(n for n in found if chosen[n] == "offload"),
             recompute=tuple(n for n in found if chosen[n] == "recompute"),
         )
-        compiled = _temp(fn, args, the_plan.to_policy())
+        compiled = _temp(fn, args, the_plan)
         if compiled <= budget_bytes:
             return PlanReport(
                 plan=the_plan,

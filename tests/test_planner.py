@@ -121,7 +121,7 @@ def test_infeasible_budget_states_the_minimum(stack):
 
 def test_function_without_names_is_an_error():
     def loss(w, x, *, policy=None):
-        return jnp.sum(jax.checkpoint(jnp.sin, policy=policy)(x @ w))
+        return jnp.sum(rn.checkpoint(jnp.sin, policy=policy)(x @ w))
 
     with pytest.raises(rn.PlanError, match="tags no activation"):
         rn.plan_for_budget(loss, jnp.ones((4, 4)), jnp.ones((2, 4)), budget="1MiB")
