@@ -49,6 +49,37 @@ def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 7) -> 
     return statistics.median(times)
 
 
+def interleaved_seconds(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int = 2,
+    rounds: int = 9,
+    min_seconds: float = 0.05,
+) -> dict[str, float]:
+    """Median wall time per call of each ``fns[k]()``, measured in interleaved rounds.
+
+    Each round times every function once (repeating a call until ``min_seconds`` passed, so
+    millisecond steps are not lost in timer noise); interleaving spreads the load of a shared
+    machine over all of them alike, so their ratios hold even when absolute times drift.
+    """
+    reps = {}
+    for k, fn in fns.items():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        reps[k] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[k]):
+                out = fn()
+            jax.block_until_ready(out)
+            samples[k].append((time.perf_counter() - t0) / reps[k])
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def machine() -> str:
     """A markdown line naming the machine, the versions and the date."""
     import flax

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import remat_nn as rn  # noqa: E402
-from benchmarks._common import Result, Target, median_seconds  # noqa: E402
+from benchmarks._common import Result, Target, interleaved_seconds  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
 
@@ -74,13 +74,16 @@ def run(quick: bool = False) -> Result:
     secs: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for depth in depths:
         params = init(depth, half, hidden, jax.random.key(0))
+        steps = {}
         for name, fwd in VARIANTS.items():
             grad = jax.grad(functools.partial(_loss, fwd))
             temp[name].append(rn.compiled_memory(grad, params, x).temp_size_in_bytes)
-            step = jax.jit(grad)
-            secs[name].append(
-                median_seconds(lambda s=step, p=params: s(p, x), reps=3 if quick else 5)
-            )
+            steps[name] = functools.partial(jax.jit(grad), params, x)
+        timed = interleaved_seconds(
+            steps, rounds=5 if quick else 9, min_seconds=0.01 if quick else 0.1
+        )
+        for name in VARIANTS:
+            secs[name].append(timed[name])
         print(f"depth {depth}: " + ", ".join(f"{n} {format_bytes(t[-1])}" for n, t in temp.items()),
               flush=True)  # fmt: skip
 
@@ -88,7 +91,7 @@ def run(quick: bool = False) -> Result:
     rows = [head, "|--:|" + "--:|" * len(VARIANTS)]
     for i, d in enumerate(depths):
         rows.append(f"| {d} | " + " | ".join(format_bytes(temp[v][i]) for v in VARIANTS) + " |")
-    rows += ["", "Step time relative to plain at the same depth (median):", "",
+    rows += ["", "Step time relative to plain, same depth (median of interleaved rounds):", "",
              head, "|--:|" + "--:|" * len(VARIANTS)]  # fmt: skip
     for i, d in enumerate(depths):
         base = secs["plain"][i]
