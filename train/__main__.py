@@ -16,8 +16,13 @@ overrides:
   Any option below as key.sub=value (YAML values: 3, 1e-3, true, [a, b], {save: [x]}), e.g.
     python -m train --config configs/debug.yaml train.steps=50 optim.lr=3e-3 mesh.fsdp=2
 
-exit codes: 0 done (or stopped by --stop-after), 1 training failed (e.g. NaN halt),
-  2 invalid config or arguments, 128+N stopped by signal N after saving a checkpoint.
+exit codes: 0 done (or stopped by --stop-after, or already complete), 1 training failed,
+  2 invalid config or arguments, 3 non-finite loss (the message names the step),
+  4 checkpoint problem (none verifies, it does not fit the config, a save failed, or the config
+  changed since the run started), 5 the run directory is locked by another process,
+  128+N stopped by signal N after saving a checkpoint.
+
+fault injection (tests): REMAT_NN_FAULT=<point>@<step>, see train/faults.py.
 
 multi-process: start one process per host with the same command plus
   --coordinator HOST:PORT --num-processes N --process-id I
@@ -55,6 +60,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="take at most N steps in this invocation, checkpoint and exit",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though config keys that change the computation differ from the run "
+        "directory's config.yaml (logging, eval and checkpoint cadence may always change)",
+    )
+    p.add_argument(
+        "--allow-dtype-cast",
+        action="store_true",
+        help="restore checkpoint leaves saved in another dtype by casting them",
+    )
+    p.add_argument(
+        "--max-consecutive-skips",
+        type=int,
+        default=10,
+        metavar="K",
+        help="train.on_nonfinite=skip: halt after K non-finite steps in a row (default 10)",
+    )
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: process 0's address")
     p.add_argument("--num-processes", type=int, metavar="N", help="multi-process: process count")
     p.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's id")
@@ -91,12 +114,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from train.loop import NonFiniteError, run
+    from train.loop import (
+        CheckpointError,
+        ConfigChangedError,
+        NonFiniteError,
+        RunLockedError,
+        run,
+    )  # fmt: skip
     from train.state import DonationError
 
     try:
-        result = run(cfg, restart=args.restart, dry_run=args.dry_run, stop_after=args.stop_after)
-    except (NonFiniteError, DonationError) as e:
+        result = run(
+            cfg, restart=args.restart, dry_run=args.dry_run, stop_after=args.stop_after,
+            allow_config_change=args.allow_config_change, allow_dtype_cast=args.allow_dtype_cast,
+            max_consecutive_skips=args.max_consecutive_skips,
+        )  # fmt: skip
+    except (NonFiniteError, CheckpointError, ConfigChangedError, RunLockedError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        codes = {NonFiniteError: 3, CheckpointError: 4, ConfigChangedError: 4, RunLockedError: 5}
+        return codes[type(e)]
+    except DonationError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, KeyError) as e:

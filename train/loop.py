@@ -5,9 +5,13 @@ end of the run. The whole train state is donated to the step (``state, metrics =
 train_step(state, batch)`` reuses the old state's buffers); the trainer proves it, from XLA's
 alias bytes when compiling and from the deleted input buffers after the first step.
 
+Before anything is written, the run directory is locked (a second trainer exits naming the
+holder) and a config that changed since the checkpoints were written is refused with the diff.
+
 Resume order (on start, unless ``restart``):
-  1. find the latest *complete* checkpoint (orbax only renames a step directory into place when
-     its save finished, so a run killed mid-save falls back to the one before);
+  1. find the newest *verified* checkpoint (orbax only renames a step directory into place when
+     its save finished, and a step's manifest, written after that, must match its leaves' shapes,
+     dtypes and checksums; a step that does not verify is moved aside, see train/checkpoint.py);
   2. restore the state onto this run's mesh shardings (any device count);
   3. re-materialise it on device, so the first step donates like every other (jax#18617);
   4. move the data iterator to the restored position, so batches continue exactly;
@@ -34,18 +38,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import models
 from train import data as data_lib
+from train import faults, integrity
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Config, dump_config
+from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
 from train.state import TrainState
 
-__all__ = ["NonFiniteError", "RunResult", "run"]
+__all__ = [
+    "CheckpointError", "ConfigChangedError", "NonFiniteError", "RunLockedError", "RunResult", "run",
+]  # fmt: skip
 
 
 class NonFiniteError(RuntimeError):
@@ -53,7 +62,8 @@ class NonFiniteError(RuntimeError):
 
     The last checkpoint (saved before the bad step, and only after its steps were checked) is
     kept. Fix: lower ``optim.lr``, add ``optim.clip_norm``, warm up longer, or set
-    ``train.on_nonfinite=skip`` to drop the bad updates.
+    ``train.on_nonfinite=skip`` to drop the bad updates. Also raised by ``skip`` after
+    ``max_consecutive_skips`` bad steps in a row.
     """
 
 
@@ -87,6 +97,9 @@ def run(
     dry_run: bool = False,
     stop_after: int | None = None,
     out: Callable[[str], None] | None = None,
+    allow_config_change: bool = True,
+    allow_dtype_cast: bool = False,
+    max_consecutive_skips: int = 10,
 ) -> RunResult:
     """Trains ``cfg`` to ``cfg.train.steps``, resuming from its run directory's checkpoints.
 
@@ -98,14 +111,42 @@ def run(
       stop_after: take at most this many steps in this invocation, then checkpoint and return
         (as a preemption would); rerun to continue.
       out: where log lines go (default: print, or above the progress bar).
+      allow_config_change: resume even if keys that change the computation differ from the run
+        directory's config.yaml (the CLI refuses unless ``--allow-config-change``).
+      allow_dtype_cast: restore checkpoint leaves saved in another dtype by casting them.
+      max_consecutive_skips: with ``train.on_nonfinite=skip``, halt after this many bad steps in
+        a row.
 
     Returns:
       A :class:`RunResult`.
 
     Raises:
-      NonFiniteError: a NaN/Inf loss with ``train.on_nonfinite=halt``.
+      NonFiniteError: a NaN/Inf loss with ``train.on_nonfinite=halt`` (or too many skips).
+      CheckpointError: no checkpoint verifies, one does not fit the config, or a save failed.
+      ConfigChangedError: the config changed since the checkpoints were written.
+      RunLockedError: another process trains into the same run directory.
       state_lib.DonationError: the step did not donate the state.
     """
+    kwargs = dict(restart=restart, dry_run=dry_run, stop_after=stop_after, out=out,
+                  allow_config_change=allow_config_change, allow_dtype_cast=allow_dtype_cast,
+                  max_consecutive_skips=max_consecutive_skips)  # fmt: skip
+    if dry_run or jax.process_index() != 0:
+        return _run(cfg, **kwargs)
+    run_dir = cfg.resolved_run_dir.absolute()
+    lock = integrity.RunLock(run_dir)  # held until the run returns
+    try:
+        if not restart:  # refused before anything is built
+            _check_config_change(run_dir, cfg, allow=allow_config_change, say=_printer(out, True))
+        return _run(cfg, **kwargs)
+    finally:
+        lock.release()
+
+
+def _run(
+    cfg: Config, *, restart: bool, dry_run: bool, stop_after: int | None,
+    out: Callable[[str], None] | None, allow_config_change: bool, allow_dtype_cast: bool,
+    max_consecutive_skips: int,
+) -> RunResult:  # fmt: skip
     t_start = time.perf_counter()
 
     # ============================== setup ==============================
@@ -185,13 +226,19 @@ def run(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     _sync("run_dir")
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    ckpt = Checkpointer(
+        run_dir / "checkpoints", cfg.checkpoint,
+        config_hash=integrity.config_hash(cfg.model_dump(mode="json")),
+        warn=lambda s: print(s, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    if ckpt.removed_tmp:
+        say(f"removed unfinished saves of a killed run: {', '.join(ckpt.removed_tmp)}")
 
     # Resume (the order is in the module docstring).
-    start, resumed_from, position = 0, None, 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        restored, meta = ckpt.restore(latest, abstract)  # 1, 2
+    start, resumed_from, position, latest = 0, None, 0, None
+    found = ckpt.restore_latest(abstract, allow_dtype_cast=allow_dtype_cast)  # 1, 2
+    if found is not None:
+        restored, meta, latest = found
         state = state_lib.copy_state(restored, state_sh)  # 3: fresh buffers, donatable
         del restored
         start = resumed_from = int(meta["step"])
@@ -201,6 +248,14 @@ def run(
         say(f"resumed from {ckpt.directory / str(latest)} (step {start})")
     else:
         state = jax.jit(init, out_shardings=state_sh)()
+    if start >= cfg.train.steps:
+        ckpt.close()
+        say(f"run already complete: step {start}/{cfg.train.steps} in {run_dir}; nothing to do "
+            "(raise train.steps to continue, or --restart to train again)")  # fmt: skip
+        return RunResult(start, state, run_dir=run_dir, resumed_from=start, seconds=_since(t_start))
+    nan_steps = faults.nan_steps()  # fault injection: these steps get a NaN batch
+    if nan_steps and not jnp.issubdtype(example["x"].dtype, jnp.floating):
+        raise ValueError(f"{faults.ENV}: nan@<step> needs float inputs; {dataset.name} has ints")
     batches = data_lib.Batches(
         dataset, global_batch=global_bs, seed=cfg.train.seed, position=position,
         process_index=jax.process_index(), process_count=jax.process_count(),
@@ -237,7 +292,7 @@ def run(
         say = _printer(out or tqdm.write, is_main)
     pending: list[dict[str, jax.Array]] = []  # device metrics since the last drain
     window: list[dict[str, float]] = []  # host metrics since the last log line
-    skipped = 0
+    skipped = consecutive_skips = 0
     last_lr = [float("nan")]  # lr of the latest drained step
     last_eval: dict[str, float] | None = None
     last_eval_step = -1
@@ -246,7 +301,7 @@ def run(
 
     def drain(step: int) -> None:
         # The only host sync of the loop: fetch pending step metrics, check they are finite.
-        nonlocal skipped
+        nonlocal skipped, consecutive_skips
         host = jax.device_get(pending)
         pending.clear()
         if host:
@@ -262,7 +317,16 @@ def run(
                         "optim.lr, set optim.clip_norm, or train.on_nonfinite=skip."
                     )
                 skipped += 1
+                consecutive_skips += 1
+                if consecutive_skips >= max_consecutive_skips:
+                    raise NonFiniteError(
+                        f"loss or gradient is not finite at step {bad}: {consecutive_skips} "
+                        f"consecutive steps skipped (train.on_nonfinite=skip). Halted; the last "
+                        f"good checkpoint is step {last_ckpt} in {ckpt.directory}. Fix: lower "
+                        "optim.lr or set optim.clip_norm."
+                    )
                 continue
+            consecutive_skips = 0
             window.append({k: float(v) for k, v in m.items()})
 
     step = start
@@ -270,6 +334,8 @@ def run(
         while step < end and not stop_signal:
             # ============================== step ==============================
             batch = sharding_lib.global_batch(next(batches), batch_sh)
+            if step + 1 in nan_steps:
+                batch = {**batch, "x": batch["x"] * jnp.nan}
             first = step == start and cfg.train.verify_donation
             donated = jax.tree_util.tree_leaves_with_path(state) if first else None
             state, metrics = train_step(state, batch)  # donates `state`: its buffers are reused
@@ -338,10 +404,12 @@ def run(
     finally:
         bar.close()
         restore_handlers()
-        ckpt.wait()
-        ckpt.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        try:
+            ckpt.wait()  # raises if the last save failed (e.g. disk full)
+        finally:
+            ckpt.close()
+            if metrics_file is not None:
+                metrics_file.close()
 
     # ============================== end ==============================
     if is_main and cfg.train.plot and step == total:
@@ -431,6 +499,28 @@ def _install_signal_handlers(flag: list[int]) -> Callable[[], None]:
             signal.signal(sig, h)
 
     return restore
+
+
+def _check_config_change(
+    run_dir: Path, cfg: Config, *, allow: bool, say: Callable[[str], None]
+) -> None:
+    # Only checkpoints make a changed config matter: without them the run starts afresh.
+    ckpts = run_dir / "checkpoints"
+    if not (run_dir / "config.yaml").exists() or not ckpts.is_dir():
+        return
+    if not any(p.name.isdigit() for p in ckpts.iterdir()):
+        return
+    old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
+    if unsafe and not allow:
+        raise ConfigChangedError(
+            f"the config differs from the one {run_dir} was trained with (config.yaml):\n"
+            + "\n".join(unsafe)
+            + "\nFix: rerun with the old values, use another run_dir or --restart, or pass "
+            "--allow-config-change to resume with the new ones."
+        )
+    if unsafe or safe:
+        say("config changed since the last run (resuming):\n" + "\n".join(unsafe + safe))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -1,0 +1,352 @@
+"""Crash, corruption and misuse of the trainer, each injected for real in a ``python -m train``.
+
+Every run is a subprocess on a tiny MLP (registered here) and the embedded digits data: 8 steps,
+a checkpoint every 2. Faults come from ``REMAT_NN_FAULT`` (train/faults.py), damage is done to
+the files on disk, and "bitwise equal" compares the final checkpoint's arrays with an
+uninterrupted run's. Runs share one JAX compilation cache, so each takes a few seconds.
+The slow multi-kill test runs only with ``REMAT_NN_SLOW_TESTS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pydantic
+import pytest
+
+import models
+from train import integrity
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny_mlp_for_fault_tests"
+KILL_POINTS = ("before_save", "during_async_write", "after_data_written", "before_finalize",
+               "after_finalize_before_cleanup", "during_restore")  # fmt: skip
+
+
+class Options(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    num_classes: int = 10
+    width: int = 16
+    depth: int = 1
+    param_dtype: str = "float32"
+
+
+class MLP(fnn.Module):
+    num_classes: int = 10
+    width: int = 16
+    depth: int = 1
+    param_dtype: str = "float32"
+
+    @fnn.compact
+    def __call__(self, x, train: bool = False):
+        # x (B, H, W, C) -> logits (B, K); uniform init is cheap to compile on CPU.
+        init = fnn.initializers.variance_scaling(1.0, "fan_in", "uniform")
+        dense = lambda n: fnn.Dense(n, kernel_init=init, param_dtype=jnp.dtype(self.param_dtype))
+        h = x.reshape(x.shape[0], -1)
+        for _ in range(self.depth):
+            h = fnn.relu(dense(self.width)(h))
+        h = fnn.Dropout(0.1, deterministic=not train)(h)
+        return dense(self.num_classes)(h).astype(jnp.float32)
+
+
+def register() -> None:
+    if MODEL not in models.REGISTRY:
+        spec = models.ModelSpec(build=MLP, options=Options, task="classify", doc="fault tests")
+        models.register(MODEL, spec)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    # Only the subprocesses compile; they share this cache (a few seconds per run instead of 10).
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    yield
+    del (
+        os.environ["JAX_COMPILATION_CACHE_DIR"],
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"],
+    )
+
+
+def argv(run_dir, *extra: str) -> list[str]:
+    return [
+        f"model.name={MODEL}", "data.source=digits", "data.batch_size=32", "train.steps=8",
+        "train.log_every=1", "train.eval_every=0", "train.plot=false", "checkpoint.every=2",
+        "checkpoint.keep=3", "optim.warmup_steps=2", f"run_dir={run_dir}", *extra,
+    ]  # fmt: skip
+
+
+def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+        "import test_faults; test_faults.register(); from train.__main__ import main; "
+        f"raise SystemExit(main({args!r}))"
+    )
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env.pop("REMAT_NN_FAULT", None)
+    if fault:
+        env["REMAT_NN_FAULT"] = fault
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def train(run_dir, *extra: str, fault: str | None = None) -> tuple[int, str]:
+    """Runs the trainer to its end (or its crash): (exit code, output)."""
+    proc = start(argv(run_dir, *extra), fault)
+    out = proc.communicate(timeout=120)[0]
+    return proc.returncode, out
+
+
+def steps(run_dir) -> list[str]:
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+
+
+def saved(run_dir, step: int) -> dict:
+    """The arrays of a checkpoint step as a flat {path: ndarray}."""
+    with warnings.catch_warnings():
+        # Orbax warns it takes the shardings from the checkpoint: the same single CPU device here.
+        warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
+        tree = ocp.PyTreeCheckpointer().restore(Path(run_dir) / "checkpoints" / str(step) / "state")
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        assert a[k].dtype == b[k].dtype, k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 8-step run (checkpoints 4, 6, 8)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    code, out = train(run_dir)
+    assert code == 0, out
+    return run_dir
+
+
+def copy_of(reference: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    (run_dir / "config.yaml").write_text(
+        (reference / "config.yaml").read_text().replace(str(reference), str(run_dir))
+    )
+    return run_dir
+
+
+# --- SIGKILL at each point of a save (or restore), then the same command -------------------------
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_then_rerun_resumes_bitwise(point, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    if point == "during_restore":
+        assert train(run_dir, "--stop-after", "4")[0] == 0
+    code, out = train(run_dir, fault=f"{point}@4")
+    assert code == -signal.SIGKILL, out
+    assert f"SIGKILL at {point}@4" in out
+
+    code, out = train(run_dir)
+    assert code == 0, out
+    resumed = "(step 4)" if point in ("during_restore",) else "(step 2)"
+    assert resumed in out, out
+    assert not [n for n in steps(run_dir) if "tmp" in n]
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+@pytest.mark.skipif(
+    os.environ.get("REMAT_NN_SLOW_TESTS") != "1",
+    reason="slow (about a minute): set REMAT_NN_SLOW_TESTS=1 to run the three-kill test",
+)
+def test_three_seeded_random_kills_still_bitwise_equal(tmp_path, reference):
+    rng = random.Random(1234)
+    run_dir = tmp_path / "run"
+    done = 0
+    for _ in range(3):
+        # A random kill point at a random checkpoint step still ahead of the run.
+        point = rng.choice(KILL_POINTS[:-1])
+        step = rng.choice([s for s in (2, 4, 6, 8) if s > done])
+        code, out = train(run_dir, fault=f"{point}@{step}")
+        assert code == -signal.SIGKILL, out
+        verified = [int(n) for n in steps(run_dir) if n.isdigit()]
+        done = max(verified, default=0)
+    code, out = train(run_dir)
+    assert code == 0, out
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+# --- SIGTERM --------------------------------------------------------------------------------------
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_resumes_bitwise(tmp_path):
+    long = ("train.steps=60", "checkpoint.every=1000")
+    proc = start(argv(tmp_path / "run", *long))
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 5:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    stopped = [int(n) for n in steps(tmp_path / "run")]
+    assert len(stopped) == 1 and 5 <= stopped[0] < 60 and f"step {stopped[0]}" in out
+
+    code, out = train(tmp_path / "run", *long)
+    assert code == 0 and f"(step {stopped[0]})" in out, out
+    code, out = train(tmp_path / "ref", *long)
+    assert code == 0, out
+    assert_bitwise_equal(saved(tmp_path / "run", 60), saved(tmp_path / "ref", 60))
+
+
+# --- damaged checkpoints --------------------------------------------------------------------------
+
+
+def _largest_data_file(step_dir: Path) -> Path:
+    return max(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+
+
+def flip_byte(step_dir: Path) -> None:
+    f = _largest_data_file(step_dir)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def truncate(step_dir: Path) -> None:
+    f = _largest_data_file(step_dir)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def delete_metadata(step_dir: Path) -> None:
+    (step_dir / "state" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("damage", [flip_byte, truncate, delete_metadata], ids=lambda f: f.__name__)
+def test_damaged_newest_step_falls_back_and_names_the_damage(damage, tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    damage(run_dir / "checkpoints" / "8")
+    code, out = train(run_dir, "train.steps=8")
+    assert code == 0, out
+    assert "WARNING: checkpoint rejected" in out and "step 8:" in out, out
+    assert "(step 6)" in out, out
+    assert any(n.startswith("8.corrupt-") for n in steps(run_dir))
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))  # 8 retrained
+
+
+def test_every_step_damaged_exits_nonzero_listing_each(tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    for n in ("4", "6", "8"):
+        truncate(run_dir / "checkpoints" / n)
+    code, out = train(run_dir)
+    assert code == 4, out
+    assert "no checkpoint in" in out and "verifies" in out
+    for n in ("4", "6", "8"):
+        assert f"  step {n}: " in out, out
+    assert "resumed from" not in out and "step      1/8" not in out  # never starts from scratch
+
+
+# --- a checkpoint that does not fit the config ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ("model.options.width=32", "['params']['Dense_0']['kernel']: saved (64, 16) float32, "
+                                   "expected (64, 32) float32"),
+        ("model.options.param_dtype=bfloat16", "['params']['Dense_0']['kernel']: saved (64, 16) "
+                                               "float32, expected (64, 16) bfloat16"),
+        ("model.options.depth=2", "['params']['Dense_2']['kernel']: saved (absent), expected "
+                                  "(16, 10) float32"),
+    ],
+)  # fmt: skip
+def test_restore_mismatch_lists_leaves_saved_vs_expected(change, expect, tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    code, out = train(run_dir, change, "train.steps=10")
+    assert code == 4 and "config differs" in out and change.split("=")[0] in out, out
+
+    code, out = train(run_dir, change, "train.steps=10", "--allow-config-change")
+    assert code == 4 and "does not fit this config's train state" in out, out
+    assert expect in out, out
+    assert steps(run_dir) == ["4", "6", "8"]  # a mismatch is not damage: nothing moved aside
+
+
+def test_dtype_cast_only_with_opt_in(tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    bf16 = ("model.options.param_dtype=bfloat16", "train.steps=10", "--allow-config-change")
+    code, out = train(run_dir, *bf16, "--allow-dtype-cast")
+    assert code == 0 and "casting" in out and "(step 8)" in out, out
+    assert saved(run_dir, 10)["['params']['Dense_0']['kernel']"].dtype == jnp.bfloat16
+
+
+# --- disk full, lock, NaN ------------------------------------------------------------------------
+
+
+def test_disk_full_names_the_last_valid_step(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    code, out = train(run_dir, fault="enospc@4")
+    assert code == 4, out
+    assert "disk full" in out and "last valid checkpoint is step 2" in out, out
+    assert "2" in steps(run_dir) and "4" not in steps(run_dir)
+    code, out = train(run_dir)
+    assert code == 0 and "(step 2)" in out, out
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+def test_second_process_on_the_run_directory_exits_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    lock = integrity.RunLock(run_dir)  # this test process is the first trainer
+    try:
+        t0 = time.monotonic()
+        code, out = train(run_dir)
+        assert code == 5 and f"pid {os.getpid()}" in out and "in use" in out, out
+        assert time.monotonic() - t0 < 60
+        assert not (run_dir / "checkpoints").exists()
+    finally:
+        lock.release()
+
+
+def test_nan_with_halt_exits_naming_the_step_and_keeps_finite_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = train(run_dir, fault="nan@3")
+    assert code == 3 and "not finite at step 3" in out, out
+    assert steps(run_dir) == ["2"]
+    assert all(np.isfinite(x).all() for x in saved(run_dir, 2).values() if x.dtype.kind == "f")
+
+
+def test_nan_with_skip_leaves_params_and_opt_state_unchanged(tmp_path):
+    run_dir = tmp_path / "run"
+    skip = ("train.on_nonfinite=skip", "train.steps=4", "checkpoint.every=1", "checkpoint.keep=9")
+    code, out = train(run_dir, *skip, fault="nan@3")
+    assert code == 0 and "skipped 1" in out, out
+    s2, s3, s4 = (saved(run_dir, n) for n in (2, 3, 4))
+    kept = [k for k in s2 if k.startswith(("['params']", "['opt_state']"))]
+    assert kept
+    assert_bitwise_equal({k: s2[k] for k in kept}, {k: s3[k] for k in kept})
+    assert not np.array_equal(
+        s3["['params']['Dense_0']['kernel']"], s4["['params']['Dense_0']['kernel']"]
+    )
+
+    code, out = train(tmp_path / "k", *skip, "--max-consecutive-skips", "2", fault="nan@2,nan@3")
+    assert code == 3 and "2 consecutive steps skipped" in out and "step 3" in out, out
