@@ -247,10 +247,18 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
             f"{type(spec).__name__} {spec!r}. Fix: rn.plan({{'save': ['query_proj']}})."
         )
     mapping.update(kwargs)
-    unknown = sorted(set(mapping) - _KEYS)
+    unknown = sorted(set(mapping) - _KEYS, key=str)
     if unknown:
+        import difflib
+
+        hints = [
+            f"{u!r} -> {c[0]!r}?"
+            for u in unknown
+            if isinstance(u, str) and (c := difflib.get_close_matches(u, sorted(_KEYS), n=1))
+        ]
+        hint = f" Did you mean: {', '.join(hints)}" if hints else ""
         raise PlanError(
-            f"rn.plan: unknown keys {unknown}; a plan has only {sorted(_KEYS)}. "
+            f"rn.plan: unknown keys {unknown}; a plan has only {sorted(_KEYS)}.{hint} "
             "Fix: e.g. {'save': [...], 'offload': [...], 'recompute': [...], 'default': ...}."
         )
     for action in ACTIONS:

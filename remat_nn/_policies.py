@@ -162,9 +162,14 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
             raise PolicyError("rn.policy: a plan takes no extra arguments; put them in the plan.")
         return plan(spec).to_policy()
     if not isinstance(spec, str):
+        hint = (
+            " A list is not a plan: write a mapping such as {'save': [...]} or rn.plan(save=[...])."
+            if isinstance(spec, list | tuple)
+            else ""
+        )
         raise TypeError(
             f"rn.policy: argument `spec` must be a policy name, a plan or a callable, got "
-            f"{type(spec).__name__} {spec!r}. Fix: rn.policy('dots_saveable')."
+            f"{type(spec).__name__} {spec!r}.{hint} Fix: rn.policy('dots_saveable')."
         )
     key = ALIASES.get(spec, spec)
     if key not in POLICIES:

@@ -23,6 +23,7 @@ from train.sharding import per_device_bytes
 __all__ = [
     "DonationError",
     "TrainState",
+    "check_distinct_buffers",
     "copy_state",
     "eval_zeros",
     "make_eval_step",
@@ -278,6 +279,58 @@ def eval_zeros() -> dict[str, np.ndarray]:
 
 # --- donation -------------------------------------------------------------------------------------
 
+ALIASED_LEAVES = """\
+train state: leaves {first} and {second} are the same {what}. Donating the state would donate it
+twice (XLA fails with 'Attempt to donate the same buffer twice', naming no leaf), and the optimizer
+would update the two leaves as independent parameters that drift apart. Typical cause: tied weights
+built by reusing one array, e.g. params['head']['kernel'] = params['embed']['embedding'].T or
+two dict entries holding one array.
+Fix: share the parameter inside the model (one param used in both places, e.g.
+flax.linen.Embed.attend for a tied output projection), or give each leaf its own copy
+(jnp.copy(x)) if they are meant to be trained separately."""
+
+
+def _buffer_keys(x: jax.Array) -> list[tuple[str, int]]:
+    # The Python object, and each device buffer it holds (two objects can view one buffer).
+    keys: list[tuple[str, int]] = [("object", id(x))]
+    if x.size == 0:  # empty arrays may share a null buffer; nothing to donate
+        return keys
+    try:
+        for shard in x.addressable_shards:
+            keys.append(("buffer", shard.data.unsafe_buffer_pointer()))
+    except Exception:  # deleted, or a backend without raw pointers: the object check remains
+        pass
+    return keys
+
+
+def check_distinct_buffers(state: Any) -> None:
+    """Checks no ``jax.Array`` (nor one device buffer) appears at two leaves of ``state``.
+
+    Run it on the concrete state before the first donated step: aliased leaves make the step
+    fail deep in XLA without naming them, or silently untie tied weights.
+
+    Raises:
+      DonationError: naming both leaf paths and the fix.
+
+    >>> import jax.numpy as jnp
+    >>> w = jnp.ones((2, 2))
+    >>> check_distinct_buffers({"embed": w, "head": jnp.copy(w)})
+    >>> check_distinct_buffers({"embed": w, "head": w})
+    Traceback (most recent call last):
+    ...
+    train.state.DonationError: train state: leaves ['embed'] and ['head'] are the same jax.Array ...
+    """
+    seen: dict[tuple[str, int], str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        where = jax.tree_util.keystr(path)
+        for key in _buffer_keys(leaf):
+            if key in seen:
+                what = "jax.Array object" if key[0] == "object" else "device buffer"
+                raise DonationError(ALIASED_LEAVES.format(first=seen[key], second=where, what=what))
+            seen[key] = where
+
 
 def verify_donation(compiled: Any, state: Any) -> int:
     """Checks XLA aliases every state byte of the compiled step to an output.
@@ -290,8 +343,10 @@ def verify_donation(compiled: Any, state: Any) -> int:
       The aliased bytes per device (``memory_analysis().alias_size_in_bytes``).
 
     Raises:
-      DonationError: fewer bytes aliased than the state holds on one device.
+      DonationError: fewer bytes aliased than the state holds on one device, or (for a
+        concrete state) one array at two leaves (:func:`check_distinct_buffers`).
     """
+    check_distinct_buffers(state)  # a no-op for ShapeDtypeStructs
     analysis = compiled.memory_analysis()
     need = per_device_bytes(state)
     if analysis is None:  # a backend without memory analysis: the deletion check still runs

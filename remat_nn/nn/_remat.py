@@ -8,7 +8,8 @@ first use, and plain functions (then it is ``jax.checkpoint`` with the same reso
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
+import inspect
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import flax.linen as fnn
@@ -27,9 +28,81 @@ Target = TypeVar("Target")
 def _as_plan(policy: Any) -> Plan | None:
     if isinstance(policy, Plan):
         return policy
-    if isinstance(policy, dict) or (isinstance(policy, str) and "=" in policy):
+    if isinstance(policy, Mapping) or (isinstance(policy, str) and "=" in policy):
         return plan(policy)
     return None
+
+
+# --- argument checks, at wrap time (not deep in tracing) -----------------------------------------
+
+
+def _check_policy(policy: Any, where: str) -> None:
+    if policy is None or isinstance(policy, str | Plan | Mapping):
+        return
+    if callable(policy):
+        return
+    hint = ""
+    if isinstance(policy, list | tuple):
+        hint = (
+            " A list is not a plan: write a mapping such as {'save': [...], 'offload': [...]}, "
+            "or rn.plan(save=[...])."
+        )
+    raise TypeError(
+        f"{where}: argument `policy` must be a policy name (e.g. 'dots_saveable'), a plan "
+        f"(rn.plan(...), a mapping or a string such as 'save=query_proj;offload=mlp_hidden') or "
+        f"a callable policy, got {type(policy).__name__} {policy!r}.{hint} "
+        f"Fix: {where}(..., policy='dots_saveable')."
+    )
+
+
+def _check_bool(value: Any, arg: str, where: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{where}: argument `{arg}` must be True or False, got {type(value).__name__} "
+            f"{value!r}. Fix: {where}(..., {arg}=True) (or False)."
+        )
+
+
+def _check_static_argnums(
+    static_argnums: Any, where: str, fns: Mapping[str, Callable[..., Any]], *, module: bool
+) -> None:
+    """Checks ``static_argnums`` is an int or a tuple of ints in range of every ``fns`` signature.
+
+    ``module``: counted with ``self`` as 0 as in flax, where negative indices are not supported.
+    """
+    nums = static_argnums if isinstance(static_argnums, tuple | list) else (static_argnums,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise TypeError(
+            f"{where}: argument `static_argnums` must be an int or a tuple of ints (positions of "
+            f"positional arguments), got {type(static_argnums).__name__} {static_argnums!r}. "
+            f"Fix: {where}(..., static_argnums=(1,))."
+        )
+    if module and any(i < 1 for i in nums):
+        raise ValueError(
+            f"{where}: argument `static_argnums` {static_argnums!r} for a Module counts "
+            "positional arguments with `self` as 0, so each must be >= 1 (negative indices are "
+            "not supported for Modules). Fix: for `__call__(self, x, train)` use "
+            "static_argnums=(2,) to make `train` static."
+        )
+    for name, fn in fns.items():
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            continue  # no signature to check against; JAX checks at call time
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            continue
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+        n = len(positional)
+        bad = [i for i in nums if not -n <= i < n]
+        if bad:
+            raise ValueError(
+                f"{where}: argument `static_argnums` {static_argnums!r} is out of range for "
+                f"{name}, whose positional arguments are {positional} (indices 0..{n - 1}"
+                f"{'' if module else f' or {-n}..-1'}). Fix: give the index of the argument to "
+                "treat as static, e.g. static_argnums="
+                f"({max(n - 1, 0)},) for {positional[-1] if positional else 'it'!r}."
+            )
 
 
 def _checked_module_class(target: type[fnn.Module], the_plan: Plan, methods: Any) -> type:
@@ -68,8 +141,9 @@ def remat(
       rngs: PRNG sequences lifted (flax).
       concrete: value-dependent Python control flow allowed (flax; Modules only).
       prevent_cse: prevent common-subexpression elimination of the recomputation.
-      static_argnums: arguments to specialize on (as in flax: for a Module, counted without
-        ``self``).
+      static_argnums: arguments to specialize on (as in flax: for a Module, counted with
+        ``self`` as 0, so ``__call__(self, x, train)`` makes ``train`` static with ``(2,)``).
+        Checked against the signature here: a non-int or out-of-range index raises at once.
       policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`.
       methods: Module methods to lift (flax; default ``__call__``).
 
@@ -87,9 +161,19 @@ def remat(
     >>> jax.tree.map(jnp.shape, variables["params"]["Dense_0"])
     {'bias': (4,), 'kernel': (8, 4)}
     """
+    _check_policy(policy, "nn.remat")
+    _check_bool(prevent_cse, "prevent_cse", "nn.remat")
+    _check_bool(concrete, "concrete", "nn.remat")
     resolved = resolve_policy(policy)
     the_plan = _as_plan(policy)
     if isinstance(target, type) and issubclass(target, fnn.Module):
+        lifted = ["__call__"] if methods is None else list(methods)
+        _check_static_argnums(
+            static_argnums,
+            "nn.remat",
+            {f"{target.__name__}.{m}": getattr(target, m) for m in lifted if hasattr(target, m)},
+            module=True,
+        )
         if the_plan is not None and the_plan.names:
             target = _checked_module_class(target, the_plan, methods)
         return flax_remat(
@@ -106,6 +190,9 @@ def remat(
         # flax's own error (a Module instance is the usual mistake: pass the class instead).
         raise flax_errors.TransformTargetError(target)
     fn = target
+    _check_static_argnums(
+        static_argnums, "nn.remat", {getattr(fn, "__name__", repr(fn)): fn}, module=False
+    )
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
     as_method = flax_remat(
@@ -155,6 +242,16 @@ def checkpoint(
     >>> jax.grad(f)(jnp.zeros(2))
     Array([2., 2.], dtype=float32)
     """
+    if not callable(fn):
+        raise TypeError(
+            f"rn.checkpoint: argument `fn` must be a callable, got {type(fn).__name__} {fn!r}. "
+            "Fix: rn.checkpoint(my_function, policy=...)."
+        )
+    _check_policy(policy, "rn.checkpoint")
+    _check_bool(prevent_cse, "prevent_cse", "rn.checkpoint")
+    _check_static_argnums(
+        static_argnums, "rn.checkpoint", {getattr(fn, "__name__", repr(fn)): fn}, module=False
+    )
     the_plan = _as_plan(policy)
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(fn, "__name__", repr(fn)))

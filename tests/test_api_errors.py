@@ -1,0 +1,163 @@
+"""Bad input at the API boundary: a typed exception naming the argument, the value and the fix,
+raised where the input enters (at nn.remat / rn.checkpoint call time, not deep in tracing)."""
+
+from __future__ import annotations
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import remat_nn as rn
+from remat_nn import nn
+
+X = jnp.ones((2, 3))
+
+
+class Gated(fnn.Module):
+    @fnn.compact
+    def __call__(self, x, flag):
+        return fnn.Dense(2)(x) * (2.0 if flag > 0 else 1.0)
+
+
+def f(x, flag):
+    return x * 2 if flag > 0 else x
+
+
+# --- rn.name ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", 1.0, 3, [1, 2], {"a": "b"}, object()])
+def test_name_rejects_non_arrays(value):
+    with pytest.raises(TypeError, match=r"rn.name\(x, 'h'\): argument `x` must be an array.*Fix"):
+        rn.name(value, "h")
+
+
+@pytest.mark.parametrize("label", [None, "", 3, b"h"])
+def test_name_rejects_bad_names(label):
+    with pytest.raises(TypeError, match=r"argument `name` must be a non-empty string.*Fix"):
+        rn.name(jnp.ones(2), label)
+
+
+def test_name_accepts_arrays_and_pytrees():
+    tree = {"a": jnp.ones(2), "b": np.zeros(1)}
+    assert rn.name(tree, "h") is not None
+
+
+# --- policies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [3, 1.5, [1], ("full",), object()])
+def test_non_callable_policy_fails_at_wrap_time(bad):
+    with pytest.raises(TypeError, match=r"nn.remat: argument `policy` must be .*got .*Fix"):
+        nn.remat(Gated, policy=bad)
+    with pytest.raises(TypeError, match=r"rn.checkpoint: argument `policy` must be .*got .*Fix"):
+        rn.checkpoint(jnp.sin, policy=bad)
+    with pytest.raises(TypeError, match=r"nn.remat: argument `policy`"):
+        nn.remat(jnp.sin, policy=bad)
+
+
+def test_plan_given_as_a_list():
+    with pytest.raises(TypeError, match=r"A list is not a plan.*\{'save'"):
+        rn.checkpoint(jnp.sin, policy=["save", "h"])
+    with pytest.raises(TypeError, match=r"A list is not a plan"):
+        rn.policy(["h"])
+    with pytest.raises(rn.PlanError, match=r"argument `spec` must be a mapping.*got list"):
+        rn.plan(["save", "h"])
+
+
+def test_unknown_policy_and_plan_names_suggest_the_closest():
+    with pytest.raises(rn.PolicyError, match=r"'dots_savable'. Did you mean 'dots_saveable'"):
+        nn.remat(Gated, policy="dots_savable")
+    with pytest.raises(rn.PolicyError, match=r"Did you mean 'nothing_saveable'"):
+        rn.checkpoint(jnp.sin, policy="nothing_savable")
+    with pytest.raises(rn.PlanError, match=r"unknown keys \['sav'\].*'sav' -> 'save'"):
+        nn.remat(Gated, policy={"sav": ["h"]})
+
+    def g(x):
+        return rn.name(jnp.sin(x), "mlp_hidden").sum()
+
+    with pytest.raises(rn.PlanError, match=r"'mlp_hiden' -> 'mlp_hidden'"):
+        jax.grad(rn.checkpoint(g, policy="save=mlp_hiden"))(jnp.ones(3))
+
+
+def test_policy_errors_are_value_errors_too():
+    # Documented subclasses: `except ValueError` keeps working.
+    assert issubclass(rn.PolicyError, ValueError) and issubclass(rn.PlanError, ValueError)
+
+
+# --- static_argnums -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["1", 1.5, (1, "2"), True, None])
+def test_static_argnums_type(bad):
+    for wrap in (lambda: nn.remat(Gated, static_argnums=bad),
+                 lambda: nn.remat(f, static_argnums=bad),
+                 lambda: rn.checkpoint(f, static_argnums=bad)):  # fmt: skip
+        with pytest.raises(TypeError, match=r"argument `static_argnums` must be an int or a tuple"):
+            wrap()
+
+
+def test_static_argnums_out_of_range_for_modules():
+    expected = r"\(5,\) is out of range for Gated.__call__.*\['self', 'x', 'flag'\].*=\(2,\)"
+    with pytest.raises(ValueError, match=expected):
+        nn.remat(Gated, static_argnums=(5,))
+    with pytest.raises(ValueError, match=r"counts positional arguments with `self` as 0"):
+        nn.remat(Gated, static_argnums=(0,))
+    with pytest.raises(ValueError, match=r"negative indices are not supported for Modules"):
+        nn.remat(Gated, static_argnums=-1)
+    block = nn.remat(Gated, static_argnums=(2,))()  # in range: works as in flax
+    v = block.init(jax.random.key(0), X, 1)
+    assert block.apply(v, X, 1).shape == (2, 2)
+
+
+def test_static_argnums_out_of_range_for_functions():
+    for wrap in (nn.remat, lambda fn, **kw: rn.checkpoint(fn, **kw)):
+        with pytest.raises(ValueError, match=r"\(2,\) is out of range for f.*\['x', 'flag'\]"):
+            wrap(f, static_argnums=(2,))
+        with pytest.raises(ValueError, match=r"`static_argnums` -3 is out of range"):
+            wrap(f, static_argnums=-3)
+        assert jax.grad(wrap(f, static_argnums=(1,)))(1.0, 1) == 2.0
+        assert jax.grad(wrap(f, static_argnums=-1))(1.0, 1) == 2.0
+
+
+def test_static_argnums_not_checked_against_varargs():
+    def h(*args):
+        return args[0] * 2
+
+    assert jax.grad(rn.checkpoint(h, static_argnums=(1,)))(1.0, 1) == 2.0
+
+
+# --- Python control flow on traced values -------------------------------------------------------
+
+
+def test_control_flow_error_points_to_static_argnums_for_functions():
+    with pytest.raises(jax.errors.TracerBoolConversionError, match="static_argnums"):
+        jax.grad(rn.checkpoint(f, policy="full"))(1.0, jnp.array(1.0))
+
+
+def test_control_flow_error_points_to_static_argnums_for_modules():
+    block = nn.remat(Gated, policy="full")()
+    with pytest.raises(jax.errors.TracerBoolConversionError, match="static_argnums"):
+        block.init(jax.random.key(0), X, jnp.array(1.0))
+
+
+# --- prevent_cse / concrete ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, np.bool_(True)])
+def test_prevent_cse_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=r"argument `prevent_cse` must be True or False.*Fix"):
+        nn.remat(Gated, prevent_cse=bad)
+    with pytest.raises(TypeError, match=r"argument `prevent_cse` must be True or False"):
+        rn.checkpoint(jnp.sin, prevent_cse=bad)
+    with pytest.raises(TypeError, match=r"argument `concrete` must be True or False"):
+        nn.remat(Gated, concrete=bad)
+
+
+def test_checkpoint_target_must_be_callable():
+    with pytest.raises(
+        TypeError, match=r"rn.checkpoint: argument `fn` must be a callable, got int"
+    ):
+        rn.checkpoint(3)
