@@ -402,8 +402,9 @@ class Config(_Section):
     model: Model = Field(default_factory=Model)  # type: ignore[arg-type]
     remat: str | dict[str, Any] | None = Field(
         None,
-        description="remat plan of the model: a preset name, or {save: [...], offload: [...], "
-        "recompute: [...], default: recompute|save}",
+        description="remat plan of the model: a preset name, {save: [...], offload: [...], "
+        "recompute: [...], default: recompute|save}, or {policy: auto, budget: 2GiB} for the "
+        "plan the budget planner picks (budget in B/KiB/MiB/GiB, or a fraction of no remat)",
     )
     data: Data = Field(default_factory=Data)  # type: ignore[arg-type]
     optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
@@ -432,11 +433,45 @@ class Config(_Section):
         return _fold_remat(self.model.options, self.remat)
 
 
+_AUTO_KEYS = {"policy", "budget", "allow", "host_bandwidth", "flops_per_second"}
+
+
+def _auto_plan_errors(remat: dict[str, Any]) -> list[tuple[str, str]]:
+    # `remat: {policy: auto, budget: 2GiB, allow: [...], host_bandwidth: ..., flops_per_second: ..}`
+    import remat_nn as rn
+
+    errors = [(f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_AUTO_KEYS)}")
+              for k in remat if k not in _AUTO_KEYS]  # fmt: skip
+    if "budget" not in remat:
+        errors.append(("remat.budget", "policy: auto needs a budget, e.g. budget: 2GiB or 0.5"))
+    else:
+        try:
+            rn.parse_budget(remat["budget"], reference_bytes=1)
+        except (TypeError, ValueError) as e:
+            errors.append(("remat.budget", str(e)))
+    allow = remat.get("allow", ["save"])
+    if (
+        not isinstance(allow, list)
+        or "save" not in allow
+        or not set(allow) <= set(("save", "offload", "recompute"))
+    ):
+        errors.append(
+            ("remat.allow", f"must list 'save' and any of offload, recompute; got {allow!r}")
+        )
+    for k in ("host_bandwidth", "flops_per_second"):
+        v = remat.get(k, 1.0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            errors.append((f"remat.{k}", f"must be a positive number, got {v!r}"))
+    return errors
+
+
 def _fold_remat(options: dict[str, Any], remat: Any) -> dict[str, Any]:
     # `remat: <preset>` -> options.remat; `remat: {save: [...]}` -> remat="custom", custom_plan.
     opts = dict(options)
     if isinstance(remat, str):
         opts["remat"] = remat
+    elif isinstance(remat, dict) and remat.get("policy") == "auto":
+        pass  # planned at the start of the run (train/autoplan.py), then folded in
     elif isinstance(remat, dict):
         opts["remat"] = "custom"
         opts["custom_plan"] = dict(remat)
@@ -540,7 +575,9 @@ def _check_against_registry(
             errors.append(("remat", f"model {model.name!r} takes no remat plan option"))
         elif "remat" in model.options:
             errors.append(("remat", "set either remat or model.options.remat, not both"))
-    if isinstance(remat, dict):
+    if isinstance(remat, dict) and remat.get("policy") == "auto":
+        errors += _auto_plan_errors(remat)
+    elif isinstance(remat, dict):
         import remat_nn as rn
 
         try:

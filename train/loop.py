@@ -43,8 +43,8 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import models
+from train import autoplan, faults, integrity
 from train import data as data_lib
-from train import faults, integrity
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
@@ -157,7 +157,8 @@ def _run(
         )
     spec = models.get(cfg.model.name)
     dataset = data_lib.load(cfg.data, task=spec.task)
-    model = models.build(cfg.model.name, **_model_options(cfg, spec, dataset))
+    options = _model_options(cfg, spec, dataset)
+    model = models.build(cfg.model.name, **options)
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
@@ -169,7 +170,7 @@ def _run(
     init = state_lib.make_init(
         model, tx, jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype), seed=cfg.train.seed
     )
-    abstract = jax.eval_shape(init)
+    abstract = unsharded = jax.eval_shape(init)
     state_sh = sharding_lib.state_shardings(abstract, mesh, min_size=cfg.mesh.fsdp_min_size)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
@@ -184,6 +185,28 @@ def _run(
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
     )
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
+    if autoplan.is_auto(cfg.remat):
+        # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
+        # plan in the run directory so a resumed run compiles the same step.
+        plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
+        if restart and is_main and not dry_run:
+            plan_file.unlink(missing_ok=True)
+        the_plan = autoplan.load_or_plan(
+            cfg.remat,
+            run_dir=plan_file.parent,
+            build=lambda p: models.build(cfg.model.name, **_with_plan(options, p)),
+            abstract_state=unsharded,
+            batch={
+                k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
+                for k, v in example.items()
+            },  # fmt: skip
+            compute_dtype=compute_dtype,
+            has_batch_stats=has_bn,
+            say=say,
+            write=is_main and not dry_run,
+        )
+        options = _with_plan(options, the_plan)
+        model = models.build(cfg.model.name, **options)  # same parameters, the chosen plan
     step_fn = state_lib.make_train_step(
         model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
@@ -248,6 +271,8 @@ def _run(
         say(f"resumed from {ckpt.directory / str(latest)} (step {start})")
     else:
         state = jax.jit(init, out_shardings=state_sh)()
+    # One buffer at two leaves would be donated twice; say which leaves, before the first step.
+    state_lib.check_distinct_buffers(state)
     if start >= cfg.train.steps:
         ckpt.close()
         say(f"run already complete: step {start}/{cfg.train.steps} in {run_dir}; nothing to do "
@@ -458,6 +483,13 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
             )
         opts.setdefault(key, value)
     return opts
+
+
+def _with_plan(options: dict[str, Any], plan: Any) -> dict[str, Any]:
+    # A planner candidate (an rn.Plan, or "none" for no remat) as the model's remat options.
+    if isinstance(plan, str):
+        return {**options, "remat": plan, "custom_plan": None}
+    return {**options, "remat": "custom", "custom_plan": plan.to_dict()}
 
 
 def _global_batch_size(cfg: Config, num_devices: int) -> int:
