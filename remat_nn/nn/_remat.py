@@ -165,6 +165,9 @@ def remat(
     _check_bool(prevent_cse, "prevent_cse", "nn.remat")
     _check_bool(concrete, "concrete", "nn.remat")
     resolved = resolve_policy(policy)
+    # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
+    flax_kwargs = dict(variables=variables, rngs=rngs, concrete=concrete, prevent_cse=prevent_cse,
+                       static_argnums=static_argnums, policy=resolved, methods=methods)  # fmt: skip
     the_plan = _as_plan(policy)
     if isinstance(target, type) and issubclass(target, fnn.Module):
         lifted = ["__call__"] if methods is None else list(methods)
@@ -176,16 +179,7 @@ def remat(
         )
         if the_plan is not None and the_plan.names:
             target = _checked_module_class(target, the_plan, methods)
-        return flax_remat(
-            target,
-            variables=variables,
-            rngs=rngs,
-            concrete=concrete,
-            prevent_cse=prevent_cse,
-            static_argnums=static_argnums,
-            policy=resolved,
-            methods=methods,
-        )
+        return flax_remat(target, **flax_kwargs)
     if not callable(target) or isinstance(target, fnn.Module):
         # flax's own error (a Module instance is the usual mistake: pass the class instead).
         raise flax_errors.TransformTargetError(target)
@@ -195,16 +189,7 @@ def remat(
     )
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
-    as_method = flax_remat(
-        fn,
-        variables=variables,
-        rngs=rngs,
-        concrete=concrete,
-        prevent_cse=prevent_cse,
-        static_argnums=static_argnums,
-        policy=resolved,
-        methods=methods,
-    )
+    as_method = flax_remat(fn, **flax_kwargs)
     as_function = checkpoint(
         fn, policy=resolved, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
