@@ -45,3 +45,20 @@ def test_auto_plan_is_saved_and_reused_on_resume(tmp_path):
     assert second.step == 4 and second.resumed_from == 2
     assert any(f"from {plan_file}" in line for line in lines)
     assert rn.plan(plan_file) == saved
+
+
+def test_host_offload_on_cpu_warns_once_and_runs(tmp_path):
+    lines: list[str] = []
+    cfg = cfg_for(tmp_path, "remat={offload: [mlp_hidden], save: [query_proj]}", "train.steps=2")
+    with pytest.warns(RuntimeWarning, match="single memory") as caught:
+        result = loop.run(cfg, out=lines.append)
+    assert result.step == 2
+    assert len([w for w in caught if "single memory" in str(w.message)]) == 1
+    assert sum("warning: remat plan offloads ['mlp_hidden']" in line for line in lines) == 1
+
+
+def test_host_offload_on_cpu_can_be_refused(tmp_path):
+    cfg = cfg_for(tmp_path, "remat={offload: [mlp_hidden]}", "train.offload_on_cpu=error")
+    with pytest.raises(ValueError, match=r"offloads \['mlp_hidden'\].*Fix: run on GPU/TPU"):
+        loop.run(cfg, out=lambda line: None)
+    assert not (tmp_path / "checkpoints").exists()

@@ -341,6 +341,11 @@ class Train(_Section):
     verify_donation: bool = Field(
         True, description="check the compiled step aliases the state and old buffers are freed"
     )
+    offload_on_cpu: Literal["warn", "error"] = Field(
+        "warn",
+        description="a remat plan offloads to host memory on a CPU backend, which has one memory "
+        "(nothing moves): warn once and run, or refuse",
+    )
     progress: Literal["auto", "on", "off"] = Field(
         "auto", description="tqdm progress bar (auto: only on a TTY)"
     )

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,7 @@ def _run(
         )
         options = _with_plan(options, the_plan)
         model = models.build(cfg.model.name, **options)  # same parameters, the chosen plan
+    _check_offload(options, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
         model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
@@ -483,6 +485,27 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
             )
         opts.setdefault(key, value)
     return opts
+
+
+def _check_offload(options: dict[str, Any], mode: str, say: Callable[[str], None]) -> None:
+    # Host offload lowers and runs on CPU but moves nothing there (XLA:CPU has one memory).
+    remat = options.get("remat")
+    if not isinstance(remat, str) or jax.default_backend() != "cpu":
+        return
+    from models.transformer import remat_plan
+
+    plan = remat_plan(remat, options.get("custom_plan"))
+    if plan is None or not plan.offload:
+        return
+    msg = (
+        f"remat plan offloads {list(plan.offload)} to {plan.offload_dst}, but the cpu backend "
+        "has a single memory: the program runs with the same gradients and nothing moves, so "
+        "expect no memory saving here (set train.offload_on_cpu=error to refuse)"
+    )
+    if mode == "error":
+        raise ValueError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    say(f"warning: {msg}")
 
 
 def _with_plan(options: dict[str, Any], plan: Any) -> dict[str, Any]:
