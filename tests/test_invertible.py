@@ -525,3 +525,18 @@ def test_register_inverse_extends_the_registry(small):
         assert rel_err(g_inv, g_ref) < 1e-6
     finally:
         del _inverse_rules._RULES[triple_p]
+
+
+def test_custom_ivjp_check_catches_a_wrong_user_inverse():
+    x = jnp.linspace(0.5, 1.5, 4)
+    good = rn.custom_ivjp(lambda x: 2.0 * x)
+    good.defivjp(lambda xs, ys, dys: ((ys / 2.0,), (2.0 * dys,)))
+    assert good.check(x) < 1e-6
+    bad_inverse = rn.custom_ivjp(lambda x: 2.0 * x)
+    bad_inverse.defivjp(lambda xs, ys, dys: ((ys / 3.0,), (2.0 * dys,)))
+    with pytest.raises(rn.NotInvertibleError, match="reconstructed input leaf 0 is off"):
+        bad_inverse.check(x)
+    bad_cotangent = rn.custom_ivjp(lambda x: 2.0 * x)
+    bad_cotangent.defivjp(lambda xs, ys, dys: ((ys / 2.0,), (dys,)))
+    with pytest.raises(rn.NotInvertibleError, match="cotangent leaf 0 is off"):
+        bad_cotangent.check(x)
