@@ -295,12 +295,14 @@ class Checkpointer:
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         }
         rejected: list[str] = []
+        unfinished: list[str] = []  # no manifest: killed after orbax's rename, before the manifest
         for step in sorted(self.all_steps(), reverse=True):
             step_dir = self.directory / str(step)
             try:
                 manifest = integ.read_manifest(step_dir)
             except ValueError as e:
-                rejected.append(self._reject(step, str(e)))
+                bucket = unfinished if str(e).startswith("no-manifest") else rejected
+                bucket.append(self._reject(step, str(e)))
                 continue
             saved = manifest["leaves"]
             problems = integ.structure_problems(saved, expected, allow_dtype_cast=allow_dtype_cast)
@@ -339,6 +341,12 @@ class Checkpointer:
                 "aside):\n" + "\n".join(rejected) + "\nNothing was restored and training did not "
                 "start. Fix: restore the directory from a backup, or --restart to start at step 0."
             )
+        if unfinished:
+            # Only saves that never finished (like orbax's own temporary directories): there is
+            # no complete checkpoint, so the run starts at step 0, and says so.
+            self._manager.reload()
+            self._warn("WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
+                       + "\n".join(unfinished))  # fmt: skip
         return None
 
     def _restore_verified(
