@@ -18,6 +18,12 @@ from benchmarks import _common
 #: benchmark name -> module (each has ``run(quick: bool) -> Result``).
 BENCHMARKS = {
     "depth": "benchmarks.depth",
+    "revnet": "benchmarks.revnet",
+    "transformer": "benchmarks.transformer",
+    "donation": "benchmarks.donation",
+    "efficiency": "benchmarks.efficiency",
+    "planner": "benchmarks.planner",
+    "trainer": "benchmarks.trainer",
 }
 
 

@@ -388,6 +388,21 @@ def plan_for_budget(
             )
         # Over budget: shrink the capacity by the overshoot (at least one byte) and solve again.
         capacity = min(best.nbytes - 1, capacity - int((compiled - budget_bytes) / slope) - 1)
+    if temp_none <= budget_bytes:
+        # Every tightened solve still overshot (XLA's temp is not affine in the saved bytes),
+        # but recomputing every name was compiled above and fits: return it, not an error.
+        return PlanReport(
+            plan=save_none,
+            costs=tuple(costs),
+            budget_bytes=budget_bytes,
+            predicted_temp_bytes=temp_none,
+            compiled_temp_bytes=temp_none,
+            no_remat_temp_bytes=no_remat,
+            min_temp_bytes=temp_none,
+            front=tuple(front),
+            exact=exact,
+            attempts=max_attempts,
+        )
     raise PlanError(
         f"plan_for_budget: no plan found within {format_bytes(budget_bytes)} after "
         f"{max_attempts} attempts; the least temp memory any plan reaches is "

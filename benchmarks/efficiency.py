@@ -1,0 +1,186 @@
+"""Efficiency: achieved FLOP/s of a training step against this machine's dense matmul FLOP/s.
+
+FLOPs of the grad step are counted from its jaxpr (``rn.count_flops``: 2 x MACs for dots and
+convolutions, one per element for other arithmetic, scan bodies times their length) and divided
+by the median step time; the reference is the median FLOP/s of a dense float32 2048 x 2048
+matmul, measured in the same run. Where the time goes: a ``jax.profiler`` trace of the step,
+each XLA thunk's exclusive time attributed to matmul / convolution work (a dot, a convolution,
+or a fusion containing one, per the compiled HLO) or to the rest (elementwise and reduction
+fusions: softmax, LayerNorm, GELU, BatchNorm, the optimizer-free gradient sums; copies; loops).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+from typing import Any
+
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import remat_nn as rn  # noqa: E402
+from benchmarks import _workloads as wl  # noqa: E402
+from benchmarks._common import Result, Target, median_seconds  # noqa: E402
+from models import revnet as R  # noqa: E402
+
+
+def _matmul_instructions(hlo: str) -> set[str]:
+    """Names of HLO instructions that are, or fuse, a dot or a convolution."""
+    heavy = {"dot", "convolution"}
+    bodies, current = {}, None
+    for line in hlo.splitlines():
+        if m := re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line):
+            current = m.group(1)
+            bodies[current] = []
+        elif current is not None:
+            bodies[current].append(line)
+    has_heavy = {
+        name for name, lines in bodies.items()
+        if any(re.search(r"= \S+ (dot|convolution)\(", ln) for ln in lines)
+    }  # fmt: skip
+    out = set()
+    for lines in bodies.values():
+        for ln in lines:
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ (\w[\w\-]*)\(", ln)
+            if not m:
+                continue
+            name, op = m.groups()
+            calls = re.findall(r"calls=%?([\w.\-]+)", ln)
+            if op in heavy or any(c in has_heavy for c in calls):
+                out.add(name)
+    return out
+
+
+def _profile(compiled: Any, args: tuple, steps: int = 3) -> dict[str, float]:
+    """Exclusive seconds per category of the XLA thunks of ``steps`` runs of ``compiled``."""
+    heavy = _matmul_instructions(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(compiled(*args))
+        (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    instr = re.compile(r"^[a-z][\w\-]*\.\d+$|^[a-z][\w\-]*$")
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and instr.match(e["name"]) and not e["name"].startswith("$"):
+            by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    totals: dict[str, float] = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda t: (t[0], -t[1]))
+        stack: list[list] = []  # [end, name, start, time of children]
+        exclusive: dict[str, float] = collections.Counter()
+        for start, end, name in [*evs, (float("inf"), float("inf"), "")]:
+            # Close every open event that ended before this one starts (a thunk of a loop body
+            # nests inside its while thunk on the same thread).
+            while stack and stack[-1][0] <= start:
+                s_end, s_name, s_start, s_child = stack.pop()
+                exclusive[s_name] += (s_end - s_start) - s_child
+                if stack:
+                    stack[-1][3] += s_end - s_start
+            stack.append([end, name, start, 0.0])
+        for name, us in exclusive.items():
+            base = name.split(".")[0].removeprefix("wrapped_")
+            if name in heavy:
+                key = "matmul / convolution (dots and fusions containing one)"
+            elif base in ("while", "call", "conditional"):
+                key = "loop control (while / call)"
+            elif "fusion" in base or base in ("add", "subtract", "multiply", "divide", "reduce",
+                                              "exponential", "maximum", "select", "compare",
+                                              "reduce-window", "convert"):  # fmt: skip
+                key = "elementwise / reduction fusions"
+            elif base in ("copy", "transpose", "dynamic-update-slice", "dynamic-slice", "slice",
+                          "concatenate", "pad", "broadcast", "bitcast", "reverse", "iota",
+                          "scatter", "gather"):  # fmt: skip
+                key = "copies and data movement"
+            else:
+                key = f"other ({base})"
+            totals[key] += us / 1e6 / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _row(label: str, step: Any, args: tuple, reps: int, peak: float) -> dict:
+    compiled = jax.jit(step).lower(*args).compile()
+    flops = rn.count_flops(step, *args)
+    matmul = rn.matmul_flops(step, *args)
+    seconds = median_seconds(lambda: compiled(*args), warmup=1, reps=reps)
+    row = {"label": label, "flops": flops, "matmul_flops": matmul, "seconds": seconds,
+           "rate": flops / seconds, "fraction": flops / seconds / peak,
+           "profile": _profile(compiled, args)}  # fmt: skip
+    print(f"{label}: {flops / seconds / 1e9:.1f} GFLOP/s = {row['fraction']:.0%}", flush=True)
+    return row
+
+
+def run(quick: bool = False) -> Result:
+    n = 256 if quick else 2048
+    peak = wl.matmul_flops_per_second(n)
+    config = wl.LM_QUICK if quick else wl.LM_FULL
+    reps = 2 if quick else 5
+    model = wl.lm(config)
+    rows = [_row(f"transformer ({config}), no remat", model.grad_step("none"),
+                 (model.params, model.tokens), reps, peak)]  # fmt: skip
+    # RevNet at a small batch: its convolutions run inside lax.scan, which XLA:CPU executes far
+    # slower than unrolled convolutions (jax#12868; see the revnet benchmark).
+    batch, image = (4, 8) if quick else (8, 32)
+    arch = R.ARCHS["revnet38"]
+    module = R.RevNet(arch if not quick else R.Arch((2, 2, 2), arch.widths, arch.stem, False))
+    clf = wl.classifier("revnet38", batch=batch, image_size=image, module=module)
+    rows.append(_row(f"RevNet-38 grad step (batch {batch}, {image}x{image}x3, BatchNorm train)",
+                     clf.grad_step, clf.args, reps, peak))  # fmt: skip
+
+    lines = [
+        f"Dense float32 {n}x{n} matmul on this machine: {peak / 1e9:.1f} GFLOP/s (median of 7). "
+        "Step FLOPs counted from the jaxpr; median step time after one warm-up "
+        f"({reps} runs).",
+        "",
+        "| step | GFLOPs / step | matmul share of FLOPs | step time | achieved GFLOP/s "
+        "| of matmul FLOP/s |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['flops'] / 1e9:.2f} | {r['matmul_flops'] / r['flops']:.1%} | "
+            f"{r['seconds']:.3f} s | {r['rate'] / 1e9:.1f} | {r['fraction']:.0%} |"
+        )
+    lines += ["", "Where the time goes (profiled XLA thunks, exclusive time per step):", ""]
+    for r in rows:
+        total = sum(r["profile"].values())
+        lines += [f"**{r['label']}** (profiled total {total:.3f} s/step)", "",
+                  "| category | s / step | share |", "|---|--:|--:|"]  # fmt: skip
+        lines += [f"| {k} | {v:.3f} | {v / total:.0%} |" for k, v in r["profile"].items()]
+        mm = next((v for k, v in r["profile"].items() if k.startswith("matmul")), 0.0)
+        if mm:
+            rate = r["matmul_flops"] / mm
+            lines += ["", f"Matmul work alone runs at {rate / 1e9:.1f} GFLOP/s "
+                      f"({rate / peak:.0%} of the {n}x{n} matmul).", ""]  # fmt: skip
+        else:
+            lines.append("")
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    labels = [r["label"].split(" (")[0] for r in rows]
+    cats = sorted({k for r in rows for k in r["profile"]})
+    left = [0.0] * len(rows)
+    for c in cats:
+        widths = [r["profile"].get(c, 0.0) for r in rows]
+        ax.barh(labels, widths, left=left, label=c)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds per step (profiled XLA thunks, exclusive)")
+    fractions = ", ".join(f"{r['fraction']:.0%}" for r in rows)
+    ax.set_title(f"Step time by kind of work; {fractions} of {n}x{n} matmul FLOP/s", fontsize=8)
+    ax.legend(fontsize=6, loc="lower right")
+
+    tf = rows[0]
+    targets = [
+        Target("transformer step >= 50% of dense matmul FLOP/s", tf["fraction"] >= 0.5,
+               f"{tf['rate'] / 1e9:.1f} / {peak / 1e9:.1f} GFLOP/s = {tf['fraction']:.0%}"),
+    ]  # fmt: skip
+    return Result("efficiency", "\n".join(lines), {"efficiency.png": fig}, targets)
