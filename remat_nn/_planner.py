@@ -360,7 +360,12 @@ def plan_for_budget(
         )
     total = sum(c.nbytes for c in costs)
     slope = (temp_all - temp_none) / total if total and temp_all > temp_none else 1.0
+
     # --- solve, confirm by compiling, tighten ---
+    def report(the_plan, predicted, compiled, front, exact, attempts):  # noqa: ANN001, ANN202
+        return PlanReport(the_plan, tuple(costs), budget_bytes, predicted, compiled, no_remat,
+                          temp_none, front, exact, attempts)  # fmt: skip
+
     capacity = int((budget_bytes - temp_none) / slope)
     for attempt in range(1, max_attempts + 1):
         best, front, exact = solve(costs, capacity)
@@ -374,35 +379,14 @@ def plan_for_budget(
         )
         compiled = _temp(fn, args, the_plan)
         if compiled <= budget_bytes:
-            return PlanReport(
-                plan=the_plan,
-                costs=tuple(costs),
-                budget_bytes=budget_bytes,
-                predicted_temp_bytes=int(temp_none + slope * best.nbytes),
-                compiled_temp_bytes=compiled,
-                no_remat_temp_bytes=no_remat,
-                min_temp_bytes=temp_none,
-                front=tuple(front),
-                exact=exact,
-                attempts=attempt,
-            )
+            predicted = int(temp_none + slope * best.nbytes)
+            return report(the_plan, predicted, compiled, tuple(front), exact, attempt)
         # Over budget: shrink the capacity by the overshoot (at least one byte) and solve again.
         capacity = min(best.nbytes - 1, capacity - int((compiled - budget_bytes) / slope) - 1)
     if temp_none <= budget_bytes:
         # Every tightened solve still overshot (XLA's temp is not affine in the saved bytes),
         # but recomputing every name was compiled above and fits: return it, not an error.
-        return PlanReport(
-            plan=save_none,
-            costs=tuple(costs),
-            budget_bytes=budget_bytes,
-            predicted_temp_bytes=temp_none,
-            compiled_temp_bytes=temp_none,
-            no_remat_temp_bytes=no_remat,
-            min_temp_bytes=temp_none,
-            front=tuple(front),
-            exact=exact,
-            attempts=max_attempts,
-        )
+        return report(save_none, temp_none, temp_none, tuple(front), exact, max_attempts)
     raise PlanError(
         f"plan_for_budget: no plan found within {format_bytes(budget_bytes)} after "
         f"{max_attempts} attempts; the least temp memory any plan reaches is "
