@@ -1,16 +1,25 @@
 """Memory-budget planner: pick save / offload / recompute per named activation under a budget.
 
-The cost model comes from the function itself:
-  - bytes each name costs when saved: the residuals of a plan that saves every name
-    (:func:`remat_nn.memory_report`), times their count (scan stacks count per layer);
-  - extra FLOPs to recompute a name: FLOPs of the gradient when every name but this one is saved,
-    minus those when every name is saved (counted from the jaxpr, scans times their length);
-  - offload time: the bytes go to host and back, ``2 * bytes / host_bandwidth``.
-Each unsaved name takes its cheaper alternative (offload or recompute, by time), so the choice is
-a 0/1 knapsack over names: device bytes against time. It is solved exactly by a Pareto sweep for
-small problems and greedily (by time saved per byte) beyond. XLA's temp bytes are predicted from
-two compiles (nothing saved, everything saved); the winner is compiled and checked against the
-budget, and the capacity is tightened and the solve retried until it fits.
+The cost model comes from the function itself, measured by compiling it:
+  - bytes a name keeps when saved: its residuals under a plan that saves every name
+    (:func:`remat_nn.memory_report`; a scan's stack counts every layer);
+  - what saving it does to XLA's temp bytes: one compile per name that saves only that name.
+    Saved stacks add up, but saving a name also shrinks the working set of the backward pass's
+    recomputation, and those shrinkages overlap (the peak is a max, not a sum). So a set ``S`` of
+    kept names is predicted at ``floor + sum(stack[n] for n in S) - max(reduction[n] for n in S)``,
+    where ``floor`` is the temp with every name recomputed and ``reduction[n]`` comes from the
+    single-name compile. (On the transformer benchmark, saving only ``mlp_in`` compiles 31 MiB
+    *below* recomputing everything: a model that is affine in saved bytes cannot see that.)
+  - time: recomputing a name costs its extra FLOPs (gradient FLOPs with every name but this one
+    saved, minus with every name saved; from the jaxpr) at ``flops_per_second``; saving it costs
+    writing and reading its bytes at ``memory_bandwidth``; offloading costs ``2 * bytes /
+    host_bandwidth``.
+For each candidate largest reduction the rest is a knapsack over names (device bytes against
+time), solved exactly by a Pareto sweep for small problems and greedily beyond. Candidates are
+compiled, fastest first, until one fits the budget (the capacity is tightened by each overshoot);
+every compiled plan that fits stays a candidate. With concrete arguments, the fastest few are
+then timed and the fastest measured wins: on XLA:CPU, saving cheap-to-recompute activations can
+cost more time than recomputing them, which no FLOP count shows.
 
 References:
   Chen et al. 2016, Training Deep Nets with Sublinear Memory Cost.
@@ -31,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_nn._flops import jaxpr_flops
-from remat_nn._memory import compiled_memory, format_bytes, memory_report
+from remat_nn._memory import format_bytes, memory_report
 from remat_nn._plan import Plan, names_in_jaxpr
 from remat_nn.errors import PlanError
 
@@ -39,6 +48,7 @@ __all__ = [
     "Candidate",
     "NameCost",
     "PlanReport",
+    "Tried",
     "parse_budget",
     "plan_for_budget",
     "solve",
@@ -98,10 +108,16 @@ class NameCost:
 
     Attributes:
       name: the activation name.
-      nbytes: device bytes if saved (all occurrences).
+      nbytes: device bytes its residuals take when saved (all occurrences).
       count: how many residuals carry the name.
       recompute_seconds: time to recompute it (None: recompute not allowed).
       offload_seconds: time to move it to host and back (None: offload not allowed).
+      save_seconds: time to write and read it when saved.
+      weight: bytes the temp memory grows by when it is saved (None: ``nbytes``). The single-name
+        compile calibrates it: at least ``nbytes``, more if saving it costs more than its bytes.
+      reduction: bytes the backward pass's working set shrinks by when the name is kept (saved
+        or offloaded) rather than recomputed; reductions of several kept names overlap, so a set
+        of kept names takes only the largest.
       recompute_flops: the extra FLOPs behind ``recompute_seconds``.
     """
 
@@ -110,24 +126,29 @@ class NameCost:
     count: int = 1
     recompute_seconds: float | None = 0.0
     offload_seconds: float | None = None
+    save_seconds: float = 0.0
+    weight: int | None = None
+    reduction: int = 0
     recompute_flops: int = 0
 
-    def alternative(self) -> tuple[str, float] | None:
-        """The cheaper way not to keep it on device: (action, seconds), or None."""
-        options = [
-            (t, a)
-            for a, t in (("recompute", self.recompute_seconds), ("offload", self.offload_seconds))
-            if t is not None
-        ]
-        if not options:
-            return None
-        t, a = min(options)
-        return a, t
+    def options(self, *, keep: bool = True, drop: bool = True) -> list[tuple[str, int, float]]:
+        """``(action, device bytes, seconds)`` for each allowed action; ``keep`` / ``drop``
+        select the actions that keep the value (save, offload) / recompute it."""
+        out = []
+        if drop and self.recompute_seconds is not None:
+            out.append(("recompute", 0, self.recompute_seconds))
+        if keep:
+            out.append(("save", self.nbytes if self.weight is None else self.weight,
+                        self.save_seconds))  # fmt: skip
+            if self.offload_seconds is not None:
+                out.append(("offload", 0, self.offload_seconds))
+        return out
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the Pareto front: device bytes of saved names, and the time paid."""
+    """One point of the Pareto front: predicted temp bytes above the all-recompute floor (may be
+    negative) and the time paid, with the action per name."""
 
     nbytes: int
     seconds: float
@@ -144,77 +165,113 @@ def _pareto(points: list[Candidate]) -> list[Candidate]:
     return front
 
 
+def _sweep(options: list[tuple[str, list[tuple[str, int, float]]]], base: int,
+           max_states: int) -> list[Candidate] | None:  # fmt: skip
+    # Exact Pareto sweep over each name's options; None when the front outgrows max_states.
+    front = [Candidate(base, 0.0, ())]
+    for name, opts in options:
+        front = _pareto([Candidate(p.nbytes + b, p.seconds + t, (*p.actions, (name, a)))
+                         for p in front for a, b, t in opts])  # fmt: skip
+        if len(front) > max_states:
+            return None
+    return front
+
+
+def _greedy(options: list[tuple[str, list[tuple[str, int, float]]]], base: int) -> list[Candidate]:
+    # From each name's lightest option, move names to their fastest option in order of time
+    # saved per byte added (moves that save time without adding bytes first).
+    choice = {n: min(opts, key=lambda o: (o[1], o[2])) for n, opts in options}
+    moves = []
+    for n, opts in options:
+        fast = min(opts, key=lambda o: (o[2], o[1]))
+        gain, extra = choice[n][2] - fast[2], fast[1] - choice[n][1]
+        if gain > 0:
+            moves.append((-gain / extra if extra > 0 else -float("inf"), n, fast))
+
+    def point() -> Candidate:
+        return Candidate(base + sum(o[1] for o in choice.values()),
+                         sum(o[2] for o in choice.values()),
+                         tuple((n, choice[n][0]) for n, _ in options))  # fmt: skip
+
+    points = [point()]
+    for _, n, fast in sorted(moves):
+        choice[n] = fast
+        points.append(point())
+    return _pareto(points)
+
+
 def solve(
     costs: Sequence[NameCost], capacity: int, *, max_states: int = 20_000
 ) -> tuple[Candidate | None, list[Candidate], bool]:
-    """Chooses an action per name: saved bytes <= ``capacity`` at the least time.
+    """Chooses an action per name: predicted bytes <= ``capacity`` at the least time.
+
+    A set ``K`` of kept (saved or offloaded) names is predicted at ``sum(weight of saved) -
+    max(reduction over K, 0)`` bytes above the floor. For each name ``t`` that could give the
+    largest reduction (and for none), ``t`` is kept, names with a larger reduction are
+    recomputed, and the rest is a knapsack swept exactly to its Pareto front.
 
     Args:
       costs: one :class:`NameCost` per name.
-      capacity: device bytes available for saved names.
+      capacity: bytes available above the all-recompute floor (the budget minus the floor; may
+        be negative when keeping some name lowers the temp memory).
       max_states: Pareto-front size beyond which the exact sweep gives way to greedy.
 
     Returns:
       ``(best, front, exact)``: the cheapest feasible candidate (None if none fits), the Pareto
       front of bytes against time over every candidate considered, and whether it is exact.
     """
-    front = [Candidate(0, 0.0, ())]
-    exact = True
-    for c in costs:
-        alt = c.alternative()
-        nxt = [Candidate(p.nbytes + c.nbytes, p.seconds, (*p.actions, (c.name, "save")))
-               for p in front]  # fmt: skip
-        if alt is not None:
-            nxt += [Candidate(p.nbytes, p.seconds + alt[1], (*p.actions, (c.name, alt[0])))
-                    for p in front]  # fmt: skip
-        front = _pareto(nxt)
-        if len(front) > max_states:
-            exact = False
-            break
+    groups: list[tuple[int, list[tuple[str, list]]]] = []
+    for top in (None, *costs):
+        r = 0 if top is None else max(top.reduction, 0)
+        options = []
+        for c in costs:
+            opts = c.options(keep=max(c.reduction, 0) <= r, drop=c is not top)
+            if not opts:
+                break
+            options.append((c.name, opts))
+        else:
+            groups.append((-r, options))
+    fronts = [_sweep(options, base, max_states) for base, options in groups]
+    exact = all(f is not None for f in fronts)
     if not exact:
-        front = _greedy_front(costs)
+        fronts = [_greedy(options, base) for base, options in groups]
+    front = _pareto([p for f in fronts for p in f])
     feasible = [p for p in front if p.nbytes <= capacity]
     best = min(feasible, key=lambda p: (p.seconds, p.nbytes)) if feasible else None
     return best, front, exact
-
-
-def _greedy_front(costs: Sequence[NameCost]) -> list[Candidate]:
-    # Start from nothing saved; save names in order of time saved per byte.
-    actions = {}
-    for c in costs:
-        alt = c.alternative()
-        actions[c.name] = ("save", 0.0) if alt is None else alt
-    base = [c for c in costs if c.alternative() is None]
-    nbytes = sum(c.nbytes for c in base)
-    seconds = sum(t for _, t in actions.values())
-    order = sorted(
-        (c for c in costs if c.alternative() is not None),
-        key=lambda c: -actions[c.name][1] / max(c.nbytes, 1),
-    )
-    points = [Candidate(nbytes, seconds, tuple((n, a) for n, (a, _) in actions.items()))]
-    for c in order:
-        nbytes += c.nbytes
-        seconds -= actions[c.name][1]
-        actions[c.name] = ("save", 0.0)
-        points.append(Candidate(nbytes, seconds, tuple((n, a) for n, (a, _) in actions.items())))
-    return _pareto(points)
 
 
 # --- measuring a function ---------------------------------------------------------------------
 
 
 @functools.cache
-def _measured_flops_per_second() -> float:
-    # A dense float32 matmul on the default device, median of 5 after warm-up.
+def _measured_rates() -> tuple[float, float]:
+    # (FLOP/s of a dense float32 matmul, bytes/s of an elementwise pass over 32 MiB) on the
+    # default device, medians of 5 after warm-up.
+    def median_seconds(f, x):  # noqa: ANN001, ANN202
+        f(x).block_until_ready()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
     a = jnp.ones((512, 512), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * 512**3 / sorted(times)[2]
+    v = jnp.ones((8 * 2**20,), jnp.float32)  # 32 MiB, read once and written once
+    flops = 2 * 512**3 / median_seconds(jax.jit(lambda x: x @ x), a)
+    return flops, 2 * v.nbytes / median_seconds(jax.jit(lambda x: x * 2 + 1), v)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """A plan the planner compiled: its temp bytes, modeled seconds and, if timed, its measured
+    time relative to the fastest-modeled plan that fits (median over paired rounds)."""
+
+    plan: Plan
+    temp_bytes: int
+    model_seconds: float
+    measured_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -226,11 +283,15 @@ class PlanReport:
       costs: per-name costs of the model.
       budget_bytes: the budget on XLA's compiled temp bytes.
       predicted_temp_bytes: the cost model's prediction for ``plan``.
-      compiled_temp_bytes: XLA's temp bytes for ``plan`` (the confirmation compile).
-      no_remat_temp_bytes / min_temp_bytes: the two ends (everything saved / nothing saved).
-      front: Pareto front (saved bytes, seconds) over the candidates considered.
+      compiled_temp_bytes: XLA's temp bytes for ``plan``.
+      no_remat_temp_bytes: temp bytes with no remat at all.
+      min_temp_bytes: the least temp bytes of any plan compiled (a lower bound needs them all).
+      floor_temp_bytes: temp bytes with every name recomputed.
+      front: Pareto front (predicted bytes above the floor, seconds) over the candidates.
       exact: the solve was exact.
-      attempts: solves until the compiled plan fit.
+      tried: every plan compiled, in order (the chosen one among them).
+      measured: the fastest fitting plans were timed and the fastest measured was chosen.
+      notes: what the planner left out and why (e.g. offload on a CPU backend).
     """
 
     plan: Plan
@@ -240,30 +301,50 @@ class PlanReport:
     compiled_temp_bytes: int
     no_remat_temp_bytes: int
     min_temp_bytes: int
+    floor_temp_bytes: int
     front: tuple[Candidate, ...]
     exact: bool
-    attempts: int
+    tried: tuple[Tried, ...]
+    measured: bool
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        how = "fastest measured of the fitting plans" if self.measured else "fastest modeled"
         lines = [
             f"plan: {self.plan}",
             f"budget {format_bytes(self.budget_bytes)}: compiled temp "
             f"{format_bytes(self.compiled_temp_bytes)} (predicted "
-            f"{format_bytes(self.predicted_temp_bytes)}; range "
-            f"{format_bytes(self.min_temp_bytes)} .. {format_bytes(self.no_remat_temp_bytes)}); "
-            f"{'exact' if self.exact else 'greedy'} solve, {self.attempts} attempt(s)",
+            f"{format_bytes(self.predicted_temp_bytes)}); every name recomputed "
+            f"{format_bytes(self.floor_temp_bytes)}, least compiled "
+            f"{format_bytes(self.min_temp_bytes)}, no remat "
+            f"{format_bytes(self.no_remat_temp_bytes)}; {'exact' if self.exact else 'greedy'} "
+            f"solve, {len(self.tried)} plans compiled, chosen: {how}",
+            *self.notes,
             "",
-            "| name | count | bytes | recompute FLOPs | action |",
-            "|---|--:|--:|--:|---|",
+            "| name | count | bytes | temp if only it is saved | recompute FLOPs | action |",
+            "|---|--:|--:|--:|--:|---|",
         ]
         for c in self.costs:
+            alone = self.floor_temp_bytes + (c.weight or c.nbytes) - c.reduction
             lines.append(
-                f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | {c.recompute_flops:.3g} | "
-                f"{self.plan.action(c.name)} |"
+                f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | {format_bytes(alone)} | "
+                f"{c.recompute_flops:.3g} | {self.plan.action(c.name)} |"
             )
-        lines += ["", "Pareto front (saved bytes -> extra seconds):"]
+        lines += ["", "plans compiled (temp, modeled s, measured time / fastest-modeled fitting):"]
+        for t in self.tried:
+            mark = "*" if t.plan == self.plan else " "
+            secs = "" if t.measured_ratio is None else f"  {t.measured_ratio:.3f}x"
+            lines.append(f" {mark}{format_bytes(t.temp_bytes):>12}  {t.model_seconds:.3g} s"
+                         f"{secs}  {_short(t.plan)}")  # fmt: skip
+        lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
         lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
         return "\n".join(lines)
+
+
+def _short(the_plan: Plan) -> str:
+    # "save [a, b] offload [c]": the kept names (every other name is recomputed).
+    moved = f" offload [{', '.join(the_plan.offload)}]" if the_plan.offload else ""
+    return f"save [{', '.join(the_plan.save)}]{moved}"
 
 
 def _grad_flops(fn: Callable[..., Any], args: Sequence[Any], the_plan: Plan) -> int:
@@ -271,9 +352,43 @@ def _grad_flops(fn: Callable[..., Any], args: Sequence[Any], the_plan: Plan) -> 
     return jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr)
 
 
-def _temp(fn: Callable[..., Any], args: Sequence[Any], policy: Any) -> int:
-    loss = functools.partial(fn, policy=policy)
-    return compiled_memory(jax.grad(loss), *args).temp_size_in_bytes
+def _compile(fn: Callable[..., Any], args: Sequence[Any], policy: Any) -> Any:
+    return jax.jit(jax.grad(functools.partial(fn, policy=policy))).lower(*args).compile()
+
+
+def _temp(compiled: Any) -> int:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _is_concrete(args: Sequence[Any]) -> bool:
+    leaves = jax.tree.leaves(args)
+    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _time(executables: dict[Any, Any], args: Sequence[Any], reps: int) -> dict[Any, float]:
+    # Each executable's time relative to the first one's: the median over `reps` rounds of the
+    # two times in the same round. Running them in turn and pairing within a round cancels the
+    # slow spells of a shared machine (single timings there vary by 30%).
+    for ex in executables.values():
+        jax.block_until_ready(ex(*args))
+    times: dict[Any, list[float]] = {k: [] for k in executables}
+    for _ in range(reps):
+        for k, ex in executables.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(ex(*args))
+            times[k].append(time.perf_counter() - t0)
+    ref = times[next(iter(times))]
+    return {k: sorted(a / b for a, b in zip(v, ref, strict=True))[reps // 2]
+            for k, v in times.items()}  # fmt: skip
+
+
+_INVERT = (
+    "plan_for_budget: 'invert' is not a per-name choice the planner can make for a fixed model: "
+    "reconstructing a value from a block's output needs the block itself to be invertible "
+    "(additive couplings, rn.invertible), which changes the model. Fix: drop 'invert' from "
+    "`allow`, and build the reversible variant (nn.ReversibleSequence, the transformer's "
+    "reversible=true) to compare it with rn.compare_policies."
+)
 
 
 def plan_for_budget(
@@ -283,7 +398,11 @@ def plan_for_budget(
     allow: Sequence[str] = ("save", "offload", "recompute"),
     host_bandwidth: float = 16e9,
     flops_per_second: float | None = None,
+    memory_bandwidth: float | None = None,
+    measure: bool | None = None,
+    shortlist: int = 4,
     max_attempts: int = 6,
+    log: Callable[[str], None] | None = None,
 ) -> PlanReport:
     """Finds the fastest plan whose compiled temp memory fits ``budget``.
 
@@ -292,35 +411,50 @@ def plan_for_budget(
         is a :class:`remat_nn.Plan` or ``"none"`` (no remat), both of which ``nn.remat``,
         ``rn.checkpoint`` and ``rn.policy`` accept, and a model can take as its plan. Its
         activations are tagged with ``rn.name``.
-      *args: the arguments of ``fn``; the gradient is taken with respect to the first.
+      *args: the arguments of ``fn``; the gradient is taken with respect to the first. Arrays,
+        or ``jax.ShapeDtypeStruct`` to plan without running anything.
       budget: bound on XLA's temp bytes of ``jax.grad(fn)``: ``"2GiB"``, bytes, or a fraction
         of the no-remat temp memory (``0.5``).
-      allow: actions the planner may use among ``save``, ``offload``, ``recompute``
-        (``invert`` is done by reversible layers, not per name).
+      allow: actions the planner may use among ``save``, ``offload``, ``recompute``. On a CPU
+        backend offload is left out: there is one memory, so an offloaded value stays put.
       host_bandwidth: bytes per second to host and back, for offload (CPU cannot measure it).
       flops_per_second: recompute speed; measured with a dense matmul when None.
-      max_attempts: solves with a tightened capacity before giving up.
+      memory_bandwidth: bytes per second to write and read a saved value; measured with an
+        elementwise pass when None.
+      measure: time the ``shortlist`` fastest-modeled plans that fit and choose the fastest
+        measured; None: when every argument is a concrete array.
+      shortlist: how many fitting plans to compile from the front, and to time.
+      max_attempts: solves with a tightened capacity before settling for the compiled plans.
+      log: called with a line per compile / timing (progress), e.g. ``print``.
 
     Returns:
       A :class:`PlanReport`; ``report.plan`` is the plan.
 
     Raises:
-      PlanError: no named activation in ``fn``, an unknown action, or a budget below the least
-        memory any plan reaches (the message states that minimum).
+      PlanError: no named activation in ``fn``, an unknown action (or ``invert``), or a budget
+        below the least temp memory of every plan compiled (the message states it).
 
     >>> import jax, remat_nn as rn
     >>> from remat_nn import _demo
     >>> params = _demo.init(jax.random.key(0), depth=4, width=16, hidden=64)
     >>> x = jax.numpy.ones((8, 16))
-    >>> report = rn.plan_for_budget(_demo.loss, params, x, budget=0.6, flops_per_second=1e9)
+    >>> report = rn.plan_for_budget(_demo.loss, params, x, budget=0.6, flops_per_second=1e9,
+    ...                             memory_bandwidth=1e9)
     >>> report.compiled_temp_bytes <= report.budget_bytes
     True
     """
-    bad = [a for a in allow if a not in (*_ACTIONS, "invert")]
+    if "invert" in allow:
+        raise PlanError(_INVERT)
+    bad = [a for a in allow if a not in _ACTIONS]
     if bad or "save" not in allow:
         raise PlanError(
             f"plan_for_budget: `allow` must include 'save' and only {_ACTIONS}, got {tuple(allow)}."
         )
+    say = log or (lambda _: None)
+    notes = []
+    if "offload" in allow and jax.default_backend() == "cpu":
+        allow = tuple(a for a in allow if a != "offload")
+        notes.append("offload left out: the cpu backend has one memory, an offloaded value stays.")
     probe = functools.partial(fn, policy=Plan())  # recompute everything: just to find the names
     found = sorted(set(names_in_jaxpr(jax.make_jaxpr(probe)(*args).jaxpr)))
     if not found:
@@ -328,26 +462,52 @@ def plan_for_budget(
             "plan_for_budget: `fn` tags no activation with rn.name, so there is nothing to plan. "
             "Fix: tag the activations (rn.name(x, 'mlp_hidden')) inside the remat'd body."
         )
-    save_all, save_none = Plan(save=tuple(found)), Plan(recompute=tuple(found))
-    no_remat = _temp(fn, args, "none")
-    temp_all, temp_none = _temp(fn, args, save_all), _temp(fn, args, save_none)
+
+    def plan_of(actions: dict[str, str]) -> Plan:
+        return Plan(**{a: tuple(n for n in found if actions.get(n, "recompute") == a)
+                       for a in _ACTIONS})  # fmt: skip
+
+    compiled: dict[Plan, Any] = {}
+
+    def compile_plan(the_plan: Plan) -> int:
+        if the_plan not in compiled:
+            t0 = time.perf_counter()
+            compiled[the_plan] = _compile(fn, args, the_plan)
+            say(f"  compiled {_short(the_plan)}: temp {format_bytes(_temp(compiled[the_plan]))} "
+                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        return _temp(compiled[the_plan])
+
+    # --- calibration: no remat, every name recomputed, each name saved alone ---
+    say(f"planning {len(found)} names: {', '.join(found)}")
+    no_remat = _temp(_compile(fn, args, "none"))
     budget_bytes = parse_budget(budget, reference_bytes=no_remat)
-    if budget_bytes < temp_none:
+    floor = compile_plan(plan_of({}))
+    save_all = plan_of(dict.fromkeys(found, "save"))
+    by_name = memory_report(functools.partial(fn, policy=save_all), *args).by_name()
+    # A name that is no residual even when every name is saved changes nothing: no compile.
+    alone = {n: compile_plan(plan_of({n: "save"})) if n in by_name else floor for n in found}
+    least_plan = min(compiled, key=lambda p: _temp(compiled[p]))
+    least = _temp(compiled[least_plan])
+    if budget_bytes < least and "recompute" in allow:
         raise PlanError(
             f"plan_for_budget: budget {format_bytes(budget_bytes)} is below the least temp "
-            f"memory any plan reaches, {format_bytes(temp_none)} ({temp_none} B, every name "
-            f"recomputed; no remat needs {format_bytes(no_remat)}). Fix: raise the budget to at "
-            f"least {temp_none} B, or reduce the batch."
+            f"memory of any plan compiled, {format_bytes(least)} ({least} B, "
+            f"{_short(least_plan)}; every name recomputed: {format_bytes(floor)}, no remat: "
+            f"{format_bytes(no_remat)}). Fix: "
+            f"raise the budget to at least {least} B, or reduce the batch."
         )
+
     # --- cost model ---
-    flops_rate = flops_per_second or _measured_flops_per_second()
-    by_name = memory_report(functools.partial(fn, policy=save_all), *args).by_name()
+    given = (flops_per_second, memory_bandwidth)
+    rates = given if None not in given else _measured_rates()
+    flops_rate, mem_rate = (g or r for g, r in zip(given, rates, strict=True))
     base_flops = _grad_flops(fn, args, save_all)
     costs = []
     for n in found:
         nbytes = by_name.get(n, {}).get("bytes", 0)
-        extra = max(0, _grad_flops(fn, args, Plan(save=tuple(m for m in found if m != n)))
-                    - base_flops)  # fmt: skip
+        delta = alone[n] - floor  # what saving n alone does to the temp bytes
+        but_n = plan_of(dict.fromkeys(found, "save") | {n: "recompute"})
+        extra = max(0, _grad_flops(fn, args, but_n) - base_flops)
         costs.append(
             NameCost(
                 name=n,
@@ -355,40 +515,62 @@ def plan_for_budget(
                 count=by_name.get(n, {}).get("count", 0),
                 recompute_seconds=extra / flops_rate if "recompute" in allow else None,
                 offload_seconds=2 * nbytes / host_bandwidth if "offload" in allow else None,
+                save_seconds=2 * nbytes / mem_rate,
+                weight=max(nbytes, delta),
+                reduction=max(0, nbytes - delta),
                 recompute_flops=extra,
             )
         )
-    total = sum(c.nbytes for c in costs)
-    slope = (temp_all - temp_none) / total if total and temp_all > temp_none else 1.0
 
-    # --- solve, confirm by compiling, tighten ---
-    def report(the_plan, predicted, compiled, front, exact, attempts):  # noqa: ANN001, ANN202
-        return PlanReport(the_plan, tuple(costs), budget_bytes, predicted, compiled, no_remat,
-                          temp_none, front, exact, attempts)  # fmt: skip
+    def seconds(the_plan: Plan) -> float:
+        # Modeled time of a plan: each name's time under the plan's action for it.
+        return sum({a: t for a, _, t in c.options()}.get(the_plan.action(c.name), 0.0)
+                   for c in costs)  # fmt: skip
 
-    capacity = int((budget_bytes - temp_none) / slope)
-    for attempt in range(1, max_attempts + 1):
-        best, front, exact = solve(costs, capacity)
-        if best is None:
+    def allowed(the_plan: Plan) -> bool:
+        return all(the_plan.action(n) in allow for n in found)
+
+    # --- solve, compile the fastest candidate until one fits, tighten on overshoot ---
+    capacity = budget_bytes - floor
+    best, front, exact = solve(costs, capacity)
+    for _ in range(max_attempts):
+        if best is None or compile_plan(plan_of(dict(best.actions))) <= budget_bytes:
             break
-        chosen = dict(best.actions)
-        the_plan = Plan(
-            save=tuple(n for n in found if chosen[n] == "save"),
-            offload=tuple(n for n in found if chosen[n] == "offload"),
-            recompute=tuple(n for n in found if chosen[n] == "recompute"),
+        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes
+        capacity = min(best.nbytes - 1, capacity - overshoot - 1)
+        best, _, _ = solve(costs, capacity)
+    # The next fastest candidates predicted to fit, so that the choice is not the model's alone.
+    ahead = [plan_of(dict(p.actions)) for p in sorted(front, key=lambda p: p.seconds)
+             if p.nbytes <= budget_bytes - floor]  # fmt: skip
+    for the_plan in [p for p in ahead if p not in compiled][: max(shortlist - 1, 0)]:
+        compile_plan(the_plan)
+
+    # --- choose among the compiled plans that fit ---
+    if not any(allowed(p) for p in compiled):  # e.g. recompute not allowed and nothing solved
+        compile_plan(save_all)
+    fits = sorted((p for p in compiled if allowed(p) and _temp(compiled[p]) <= budget_bytes),
+                  key=lambda p: (seconds(p), _temp(compiled[p])))  # fmt: skip
+    if not fits:
+        least = min(_temp(ex) for p, ex in compiled.items() if allowed(p))
+        raise PlanError(
+            f"plan_for_budget: no plan with actions {tuple(allow)} fits "
+            f"{format_bytes(budget_bytes)}; the least compiled is {format_bytes(least)} "
+            f"({least} B). Fix: raise the budget, or allow more actions."
         )
-        compiled = _temp(fn, args, the_plan)
-        if compiled <= budget_bytes:
-            predicted = int(temp_none + slope * best.nbytes)
-            return report(the_plan, predicted, compiled, tuple(front), exact, attempt)
-        # Over budget: shrink the capacity by the overshoot (at least one byte) and solve again.
-        capacity = min(best.nbytes - 1, capacity - int((compiled - budget_bytes) / slope) - 1)
-    if temp_none <= budget_bytes:
-        # Every tightened solve still overshot (XLA's temp is not affine in the saved bytes),
-        # but recomputing every name was compiled above and fits: return it, not an error.
-        return report(save_none, temp_none, temp_none, tuple(front), exact, max_attempts)
-    raise PlanError(
-        f"plan_for_budget: no plan found within {format_bytes(budget_bytes)} after "
-        f"{max_attempts} attempts; the least temp memory any plan reaches is "
-        f"{format_bytes(temp_none)} ({temp_none} B). Fix: raise the budget."
-    )
+    measure = _is_concrete(args) if measure is None else measure
+    timed: dict[Plan, float] = {}
+    if measure and len(fits) > 1 and shortlist > 1:
+        say(f"  timing the {min(shortlist, len(fits))} fastest-modeled plans that fit")
+        timed = _time({p: compiled[p] for p in fits[:shortlist]}, args, reps=7)
+        fits = sorted(timed, key=timed.get)
+    chosen = fits[0]
+    kept = [c.reduction for c in costs if chosen.action(c.name) != "recompute"]
+    predicted = floor + sum(c.weight or c.nbytes for c in costs if chosen.action(c.name) == "save")
+    predicted -= max(kept, default=0)
+    tried = tuple(Tried(p, _temp(ex), seconds(p), timed.get(p)) for p, ex in compiled.items())
+    return PlanReport(
+        plan=chosen, costs=tuple(costs), budget_bytes=budget_bytes, predicted_temp_bytes=predicted,
+        compiled_temp_bytes=_temp(compiled[chosen]), no_remat_temp_bytes=no_remat,
+        min_temp_bytes=least, floor_temp_bytes=floor, front=tuple(front), exact=exact,
+        tried=tried, measured=bool(timed), notes=tuple(notes),
+    )  # fmt: skip

@@ -98,7 +98,7 @@ def test_building_in_a_loop_does_not_grow_memory():
 
 
 def test_remat_nn_keeps_no_module_level_function_cache():
-    # The one cache in remat_nn's modules is the planner's FLOP/s measurement (no arguments).
+    # The one cache in remat_nn's modules is the planner's rate measurement (no arguments).
     import remat_nn._planner as planner
 
     cached = [
@@ -106,7 +106,7 @@ def test_remat_nn_keeps_no_module_level_function_cache():
         for name, obj in vars(mod).items() if hasattr(obj, "cache_info")
     ]  # fmt: skip
     assert cached == []
-    assert planner._measured_flops_per_second.__wrapped__.__code__.co_argcount == 0
+    assert planner._measured_rates.__wrapped__.__code__.co_argcount == 0
 
 
 # --- donation -------------------------------------------------------------------------------------

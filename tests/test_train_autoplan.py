@@ -24,6 +24,8 @@ def cfg_for(run_dir, *overrides):
         ("{policy: auto, budget: 1GiB, allow: [offload]}", "remat.allow"),
         ("{policy: auto, budget: 1GiB, bugdet: 2}", "remat.bugdet"),
         ("{policy: auto, budget: 1GiB, host_bandwidth: -1}", "remat.host_bandwidth"),
+        ("{policy: auto, budget: 1GiB, memory_bandwidth: 0}", "remat.memory_bandwidth"),
+        ("{policy: auto, budget: 1GiB, allow: [save, invert]}", "remat.allow"),
     ],
 )
 def test_bad_auto_plan_configs_name_the_path(tmp_path, remat, path):

@@ -46,7 +46,7 @@ def load_or_plan(
     Args:
       remat: the config's ``{policy: auto, budget: ...}`` mapping (budget as in
         :func:`remat_nn.parse_budget`, e.g. ``2GiB`` or ``0.5`` of the no-remat memory;
-        optional ``allow``, ``host_bandwidth`` and ``flops_per_second``).
+        optional ``allow``, ``host_bandwidth``, ``flops_per_second`` and ``memory_bandwidth``).
       run_dir: the run directory.
       build: ``build(policy) -> module`` for a plan or ``"none"`` (no remat).
       abstract_state: the train state's shapes (nothing is run).
@@ -68,10 +68,12 @@ def load_or_plan(
         )
         return fn(params, batch_stats, batch, key)[0]
 
-    # A fixed recompute speed (not a measured one) keeps the choice identical on every process
-    # and every rerun; override with remat.flops_per_second.
+    # Fixed speeds (not measured ones) keep the choice identical on every process and every
+    # rerun; override with remat.flops_per_second / memory_bandwidth. Nothing is timed: the state
+    # is abstract here, so the choice is the cost model's.
     kwargs = {k: remat[k] for k in ("allow", "host_bandwidth") if k in remat}
     kwargs["flops_per_second"] = float(remat.get("flops_per_second", 1e12))
+    kwargs["memory_bandwidth"] = float(remat.get("memory_bandwidth", 1e11))
     report = rn.plan_for_budget(
         loss,
         abstract_state.params,
@@ -79,6 +81,8 @@ def load_or_plan(
         batch,
         jax.random.key(0),
         budget=remat["budget"],
+        measure=False,
+        log=say,
         **kwargs,
     )
     say(f"remat plan (auto, budget {remat['budget']}):\n{report}")

@@ -438,11 +438,12 @@ class Config(_Section):
         return _fold_remat(self.model.options, self.remat)
 
 
-_AUTO_KEYS = {"policy", "budget", "allow", "host_bandwidth", "flops_per_second"}
+_AUTO_KEYS = {"policy", "budget", "allow", "host_bandwidth", "flops_per_second", "memory_bandwidth"}
 
 
 def _auto_plan_errors(remat: dict[str, Any]) -> list[tuple[str, str]]:
-    # `remat: {policy: auto, budget: 2GiB, allow: [...], host_bandwidth: ..., flops_per_second: ..}`
+    # `remat: {policy: auto, budget: 2GiB, allow: [...], host_bandwidth: .., flops_per_second: ..,
+    # memory_bandwidth: ..}`
     import remat_nn as rn
 
     errors = [(f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_AUTO_KEYS)}")
@@ -460,10 +461,13 @@ def _auto_plan_errors(remat: dict[str, Any]) -> list[tuple[str, str]]:
         or "save" not in allow
         or not set(allow) <= set(("save", "offload", "recompute"))
     ):
+        hint = ""
+        if isinstance(allow, list) and "invert" in allow:
+            hint = "; invert is not per name: build a reversible model (model.options.reversible)"
         errors.append(
-            ("remat.allow", f"must list 'save' and any of offload, recompute; got {allow!r}")
+            ("remat.allow", f"must list 'save' and any of offload, recompute; got {allow!r}{hint}")
         )
-    for k in ("host_bandwidth", "flops_per_second"):
+    for k in ("host_bandwidth", "flops_per_second", "memory_bandwidth"):
         v = remat.get(k, 1.0)
         if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
             errors.append((f"remat.{k}", f"must be a positive number, got {v!r}"))
