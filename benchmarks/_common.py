@@ -49,14 +49,14 @@ def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 7) -> 
     return statistics.median(times)
 
 
-def interleaved_seconds(
+def interleaved_samples(
     fns: dict[str, Callable[[], Any]],
     *,
     warmup: int = 2,
     rounds: int = 9,
     min_seconds: float = 0.05,
-) -> dict[str, float]:
-    """Median wall time per call of each ``fns[k]()``, measured in interleaved rounds.
+) -> dict[str, list[float]]:
+    """Wall time per call of each ``fns[k]()`` in each of ``rounds`` interleaved rounds.
 
     Each round times every function once (repeating a call until ``min_seconds`` passed, so
     millisecond steps are not lost in timer noise); interleaving spreads the load of a shared
@@ -77,7 +77,18 @@ def interleaved_seconds(
                 out = fn()
             jax.block_until_ready(out)
             samples[k].append((time.perf_counter() - t0) / reps[k])
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def interleaved_seconds(fns: dict[str, Callable[[], Any]], **kwargs: Any) -> dict[str, float]:
+    """Median of :func:`interleaved_samples` per function (same arguments)."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(fns, **kwargs).items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s time over ``b``'s in the same round: a slow spell of the
+    shared machine that spans a round cancels."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
 
 
 def machine() -> str:

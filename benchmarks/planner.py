@@ -21,27 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks import transformer as tb  # noqa: E402
-from benchmarks._common import Result, Target  # noqa: E402
+from benchmarks._common import Result, Target, interleaved_samples, paired_ratio  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
-
-
-def _alternate(fns: dict, reps: int) -> dict[str, list[float]]:
-    """Seconds of each ``fn()`` in each of ``reps`` rounds, run in turn so that a slow spell of
-    the shared machine hits the functions of a round alike."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[k].append(time.perf_counter() - t0)
-    return times
-
-
-def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of ``a``'s time over ``b``'s in the same round (paired)."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def _budgets(temps: dict[str, int], count: int) -> list[int]:
@@ -95,13 +76,13 @@ def run(quick: bool = False) -> Result:
         fns = {"plan": lambda s=plan_step: s(model.params, model.tokens),
                "again": lambda s=again: s(model.params, model.tokens)}  # fmt: skip
         fns |= {p: lambda s=steps[p]: s(model.params, model.tokens) for p in fitting}
-        times = _alternate(fns, reps)
+        times = interleaved_samples(fns, warmup=1, rounds=reps)
         # The fastest fitting preset is the one the plan compares worst against.
-        ratios = {p: _ratio(times, "plan", p) for p in fitting}
+        ratios = {p: paired_ratio(times, "plan", p) for p in fitting}
         fastest = max(ratios, key=ratios.get) if fitting else None
         secs = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"budget": budget, "report": report, "fitting": fitting, "fastest": fastest,
-                     "ratio": ratios.get(fastest), "noise": _ratio(times, "again", "plan"),
+                     "ratio": ratios.get(fastest), "noise": paired_ratio(times, "again", "plan"),
                      "plan_s": secs["plan"],
                      "plan_seconds": plan_seconds})  # fmt: skip
         print(f"budget {format_bytes(budget)}: {_plan_text(report.plan)}, temp "
@@ -158,7 +139,7 @@ def run(quick: bool = False) -> Result:
         "|---|--:|--:|--:|--:|",
     ]
     lines += [f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | "
-              f"{format_bytes(first.floor_temp_bytes + (c.weight or c.nbytes) - c.reduction)} | "
+              f"{format_bytes(first.floor_temp_bytes + c.alone)} | "
               f"{c.recompute_flops / 1e9:.3f} |" for c in first.costs]  # fmt: skip
     last = rows[-1]["report"]
     lines += ["", f"The planner's report at the budget {format_bytes(last.budget_bytes)}:", "",

@@ -131,6 +131,16 @@ class NameCost:
     reduction: int = 0
     recompute_flops: int = 0
 
+    @property
+    def save_bytes(self) -> int:
+        """Bytes the temp memory grows by when the name is saved (``weight``, else ``nbytes``)."""
+        return self.nbytes if self.weight is None else self.weight
+
+    @property
+    def alone(self) -> int:
+        """Predicted temp change (bytes) when only this name is saved."""
+        return self.save_bytes - self.reduction
+
     def options(self, *, keep: bool = True, drop: bool = True) -> list[tuple[str, int, float]]:
         """``(action, device bytes, seconds)`` for each allowed action; ``keep`` / ``drop``
         select the actions that keep the value (save, offload) / recompute it."""
@@ -138,8 +148,7 @@ class NameCost:
         if drop and self.recompute_seconds is not None:
             out.append(("recompute", 0, self.recompute_seconds))
         if keep:
-            out.append(("save", self.nbytes if self.weight is None else self.weight,
-                        self.save_seconds))  # fmt: skip
+            out.append(("save", self.save_bytes, self.save_seconds))
             if self.offload_seconds is not None:
                 out.append(("offload", 0, self.offload_seconds))
         return out
@@ -198,6 +207,14 @@ def _greedy(options: list[tuple[str, list[tuple[str, int, float]]]], base: int) 
         choice[n] = fast
         points.append(point())
     return _pareto(points)
+
+
+def _predict(costs: Sequence[NameCost], the_plan: Plan) -> int:
+    # Bytes above the floor that solve() predicts for a plan: saved weights minus the largest
+    # reduction among the kept names.
+    actions = [(c, the_plan.action(c.name)) for c in costs]
+    saved = sum(c.save_bytes for c, a in actions if a == "save")
+    return saved - max((max(c.reduction, 0) for c, a in actions if a != "recompute"), default=0)
 
 
 def solve(
@@ -325,7 +342,7 @@ class PlanReport:
             "|---|--:|--:|--:|--:|---|",
         ]
         for c in self.costs:
-            alone = self.floor_temp_bytes + (c.weight or c.nbytes) - c.reduction
+            alone = self.floor_temp_bytes + c.alone
             lines.append(
                 f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | {format_bytes(alone)} | "
                 f"{c.recompute_flops:.3g} | {self.plan.action(c.name)} |"
@@ -534,9 +551,9 @@ def plan_for_budget(
     capacity = budget_bytes - floor
     best, front, exact = solve(costs, capacity)
     for _ in range(max_attempts):
-        if best is None or compile_plan(plan_of(dict(best.actions))) <= budget_bytes:
+        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes if best else 0
+        if overshoot <= 0:
             break
-        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes
         capacity = min(best.nbytes - 1, capacity - overshoot - 1)
         best, _, _ = solve(costs, capacity)
     # The next fastest candidates predicted to fit, so that the choice is not the model's alone.
@@ -564,9 +581,7 @@ def plan_for_budget(
         timed = _time({p: compiled[p] for p in fits[:shortlist]}, args, reps=7)
         fits = sorted(timed, key=timed.get)
     chosen = fits[0]
-    kept = [c.reduction for c in costs if chosen.action(c.name) != "recompute"]
-    predicted = floor + sum(c.weight or c.nbytes for c in costs if chosen.action(c.name) == "save")
-    predicted -= max(kept, default=0)
+    predicted = floor + _predict(costs, chosen)
     tried = tuple(Tried(p, _temp(ex), seconds(p), timed.get(p)) for p, ex in compiled.items())
     return PlanReport(
         plan=chosen, costs=tuple(costs), budget_bytes=budget_bytes, predicted_temp_bytes=predicted,
