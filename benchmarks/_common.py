@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -55,12 +56,15 @@ def interleaved_samples(
     warmup: int = 2,
     rounds: int = 9,
     min_seconds: float = 0.05,
+    shuffle: bool = False,
 ) -> dict[str, list[float]]:
     """Wall time per call of each ``fns[k]()`` in each of ``rounds`` interleaved rounds.
 
     Each round times every function once (repeating a call until ``min_seconds`` passed, so
     millisecond steps are not lost in timer noise); interleaving spreads the load of a shared
     machine over all of them alike, so their ratios hold even when absolute times drift.
+    ``shuffle`` runs each round in a fresh (seeded) random order, so that no function always
+    follows the same one.
     """
     reps = {}
     for k, fn in fns.items():
@@ -70,11 +74,12 @@ def interleaved_samples(
         jax.block_until_ready(fn())
         reps[k] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    rng = random.Random(0)
     for _ in range(rounds):
-        for k, fn in fns.items():
+        for k in rng.sample(list(fns), len(fns)) if shuffle else fns:
             t0 = time.perf_counter()
             for _ in range(reps[k]):
-                out = fn()
+                out = fns[k]()
             jax.block_until_ready(out)
             samples[k].append((time.perf_counter() - t0) / reps[k])
     return samples

@@ -4,7 +4,7 @@ On the scanned transformer of the ``transformer`` benchmark, at budgets between 
 preset's temp memory and no remat, the planner picks save / recompute per activation name (the
 loss takes the candidate as the model's own remat plan, ``loss(params, tokens, *, policy)``).
 For each budget: the plan, its compiled temp bytes (must fit), and its step time against every
-preset that also fits, timed alternately in the same run (least of repeated runs).
+preset that also fits, timed in the same shuffled rounds (median of paired ratios).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _plan_text(plan: rn.Plan) -> str:
 
 def run(quick: bool = False) -> Result:
     config = wl.LM_QUICK if quick else wl.LM_FULL
-    reps = 2 if quick else 15
+    reps = 2 if quick else 31
     names = tb.QUICK_PRESETS if quick else tuple(tb.REMAT_PRESETS)
     presets = tb.measure(config, reps, names)  # cached when the transformer benchmark ran first
     model = wl.lm(config)
@@ -76,7 +76,7 @@ def run(quick: bool = False) -> Result:
         fns = {"plan": lambda s=plan_step: s(model.params, model.tokens),
                "again": lambda s=again: s(model.params, model.tokens)}  # fmt: skip
         fns |= {p: lambda s=steps[p]: s(model.params, model.tokens) for p in fitting}
-        times = interleaved_samples(fns, warmup=1, rounds=reps)
+        times = interleaved_samples(fns, warmup=1, rounds=reps, shuffle=True)
         # The fastest fitting preset is the one the plan compares worst against.
         ratios = {p: paired_ratio(times, "plan", p) for p in fitting}
         fastest = max(ratios, key=ratios.get) if fitting else None
@@ -97,14 +97,16 @@ def run(quick: bool = False) -> Result:
         )
         + f". Budgets: midpoints between consecutive preset memories, and one between the "
         f"planner's least compiled plan and the lowest preset. Times: {reps} rounds, each "
-        "running the plan, the plan compiled again and every preset that fits; a ratio is the "
+        "running the plan, the plan compiled again and every preset that fits, in a fresh random "
+        "order; a ratio is the "
         "median over rounds of the two times in the same round (paired, so that the shared "
         "machine's slow spells cancel), the plan against itself shows what noise is left, and "
         "the fastest fitting preset is the one the plan's ratio is worst against. The planner is "
         "called with its defaults "
         "(`rn.plan_for_budget(loss, params, tokens, budget=b)`): it leaves offload out on CPU "
-        "(one memory), and, since the arguments are concrete, times its fastest-modeled fitting "
-        "plans and keeps the fastest measured.",
+        "(one memory), and, since the arguments are concrete, races its 6 fastest-modeled fitting "
+        "plans (up to 15 rounds, clearly slower ones dropping out) and keeps the fastest "
+        "measured.",
         "",
         "| budget | planner's plan | compiled temp (predicted) | fits | presets that fit | "
         "fastest fitting preset (measured) | plan time / preset time | plan / itself (noise) | "

@@ -17,9 +17,10 @@ The cost model comes from the function itself, measured by compiling it:
 For each candidate largest reduction the rest is a knapsack over names (device bytes against
 time), solved exactly by a Pareto sweep for small problems and greedily beyond. Candidates are
 compiled, fastest first, until one fits the budget (the capacity is tightened by each overshoot);
-every compiled plan that fits stays a candidate. With concrete arguments, the fastest few are
-then timed and the fastest measured wins: on XLA:CPU, saving cheap-to-recompute activations can
-cost more time than recomputing them, which no FLOP count shows.
+every compiled plan that fits stays a candidate. With concrete arguments, the fastest-modeled
+few are then raced (shuffled rounds, clearly slower ones dropping out) and the fastest measured
+wins: on XLA:CPU, saving cheap-to-recompute activations can cost more time than recomputing them,
+which no FLOP count shows, and the candidates differ by less than one step's timing noise.
 
 References:
   Chen et al. 2016, Training Deep Nets with Sublinear Memory Cost.
@@ -30,7 +31,10 @@ References:
 from __future__ import annotations
 
 import functools
+import operator
+import random
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -264,26 +268,27 @@ def solve(
 @functools.cache
 def _measured_rates() -> tuple[float, float]:
     # (FLOP/s of a dense float32 matmul, bytes/s of an elementwise pass over 32 MiB) on the
-    # default device, medians of 5 after warm-up.
-    def median_seconds(f, x):  # noqa: ANN001, ANN202
+    # default device: the least of 15 times after warm-up (a shared machine only ever slows a
+    # run down, and a median of a few let one slow spell reshape the whole cost model).
+    def least_seconds(f, x):  # noqa: ANN001, ANN202
         f(x).block_until_ready()
         times = []
-        for _ in range(5):
+        for _ in range(15):
             t0 = time.perf_counter()
             f(x).block_until_ready()
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return min(times)
 
     a = jnp.ones((512, 512), jnp.float32)
     v = jnp.ones((8 * 2**20,), jnp.float32)  # 32 MiB, read once and written once
-    flops = 2 * 512**3 / median_seconds(jax.jit(lambda x: x @ x), a)
-    return flops, 2 * v.nbytes / median_seconds(jax.jit(lambda x: x * 2 + 1), v)
+    flops = 2 * 512**3 / least_seconds(jax.jit(lambda x: x @ x), a)
+    return flops, 2 * v.nbytes / least_seconds(jax.jit(lambda x: x * 2 + 1), v)
 
 
 @dataclass(frozen=True)
 class Tried:
     """A plan the planner compiled: its temp bytes, modeled seconds and, if timed, its measured
-    time relative to the fastest-modeled plan that fits (median over paired rounds)."""
+    time relative to the chosen plan's (median over the rounds both ran, paired per round)."""
 
     plan: Plan
     temp_bytes: int
@@ -347,7 +352,7 @@ class PlanReport:
                 f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | {format_bytes(alone)} | "
                 f"{c.recompute_flops:.3g} | {self.plan.action(c.name)} |"
             )
-        lines += ["", "plans compiled (temp, modeled s, measured time / fastest-modeled fitting):"]
+        lines += ["", "plans compiled (temp, modeled s, measured time / chosen plan's):"]
         for t in self.tried:
             mark = "*" if t.plan == self.plan else " "
             secs = "" if t.measured_ratio is None else f"  {t.measured_ratio:.3f}x"
@@ -382,21 +387,55 @@ def _is_concrete(args: Sequence[Any]) -> bool:
     return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
 
 
-def _time(executables: dict[Any, Any], args: Sequence[Any], reps: int) -> dict[Any, float]:
-    # Each executable's time relative to the first one's: the median over `reps` rounds of the
-    # two times in the same round. Running them in turn and pairing within a round cancels the
-    # slow spells of a shared machine (single timings there vary by 30%).
-    for ex in executables.values():
+def _time(
+    executables: dict[Any, Any],
+    args: Sequence[Any],
+    rounds: int,
+    *,
+    min_rounds: int = 5,
+    margin: float = 0.02,
+) -> tuple[dict[Any, float], int]:
+    """Races ``executables`` on ``args``; returns each one's time relative to the winner's, and
+    the number of rounds run.
+
+    Single step times on a shared machine vary by 30%, and close plans differ by a few percent, so
+    every round runs each remaining candidate once, in a fresh random order (no candidate always
+    runs first), and candidates are compared within a round (a slow spell spanning the round
+    cancels). From ``min_rounds`` on, a candidate is dropped once it is slower than the leader in
+    3 of 4 rounds and by more than ``margin`` in median; the race ends when one is left or after
+    ``rounds`` rounds. The leader has the least median over rounds of its time over the round's
+    fastest; a ratio is the median over the rounds both ran of a candidate's time over the
+    winner's.
+    """
+    for ex in executables.values():  # warm-up: first-call costs are not step time
         jax.block_until_ready(ex(*args))
     times: dict[Any, list[float]] = {k: [] for k in executables}
-    for _ in range(reps):
-        for k, ex in executables.items():
+    alive = list(executables)
+    rng = random.Random(0)
+    ran = 0
+
+    def leader() -> Any:
+        best = [min(times[k][i] for k in alive) for i in range(ran)]
+        return min(alive, key=lambda k: statistics.median(map(operator.truediv, times[k], best)))
+
+    def ratio(k: Any, ref: Any) -> float:  # over the rounds both ran (k may have dropped out)
+        return statistics.median(map(operator.truediv, times[k], times[ref]))
+
+    def clearly_slower(k: Any, lead: Any) -> bool:
+        slower = sum(map(operator.gt, times[k], times[lead]))
+        return ratio(k, lead) > 1 + margin and slower >= 0.75 * ran
+
+    while ran < rounds and len(alive) > 1:
+        for k in rng.sample(alive, len(alive)):
             t0 = time.perf_counter()
-            jax.block_until_ready(ex(*args))
+            jax.block_until_ready(executables[k](*args))
             times[k].append(time.perf_counter() - t0)
-    ref = times[next(iter(times))]
-    return {k: sorted(a / b for a, b in zip(v, ref, strict=True))[reps // 2]
-            for k, v in times.items()}  # fmt: skip
+        ran += 1
+        if ran >= min_rounds:
+            lead = leader()
+            alive = [k for k in alive if not clearly_slower(k, lead)]
+    lead = leader() if ran else alive[0]
+    return {k: ratio(k, lead) if times[k] else 1.0 for k in executables}, ran
 
 
 _INVERT = (
@@ -417,7 +456,8 @@ def plan_for_budget(
     flops_per_second: float | None = None,
     memory_bandwidth: float | None = None,
     measure: bool | None = None,
-    shortlist: int = 4,
+    shortlist: int = 6,
+    rounds: int = 15,
     max_attempts: int = 6,
     log: Callable[[str], None] | None = None,
 ) -> PlanReport:
@@ -438,9 +478,12 @@ def plan_for_budget(
       flops_per_second: recompute speed; measured with a dense matmul when None.
       memory_bandwidth: bytes per second to write and read a saved value; measured with an
         elementwise pass when None.
-      measure: time the ``shortlist`` fastest-modeled plans that fit and choose the fastest
-        measured; None: when every argument is a concrete array.
-      shortlist: how many fitting plans to compile from the front, and to time.
+      measure: time the ``shortlist`` fastest-modeled plans that fit (every compiled plan that
+        fits counts, the single-name calibration compiles too) and choose the fastest measured;
+        None: when every argument is a concrete array.
+      shortlist: how many plans to time, and how many fitting plans to compile from the front.
+      rounds: most timing rounds; each runs every candidate still in the race once, and
+        candidates clearly slower than the leader drop out from the fifth round on.
       max_attempts: solves with a tightened capacity before settling for the compiled plans.
       log: called with a line per compile / timing (progress), e.g. ``print``.
 
@@ -518,6 +561,8 @@ def plan_for_budget(
     given = (flops_per_second, memory_bandwidth)
     rates = given if None not in given else _measured_rates()
     flops_rate, mem_rate = (g or r for g, r in zip(given, rates, strict=True))
+    say(f"  recompute at {flops_rate / 1e9:.3g} GFLOP/s, saved bytes at {mem_rate / 1e9:.3g} GB/s"
+        f" ({'given' if None not in given else 'measured'})")  # fmt: skip
     base_flops = _grad_flops(fn, args, save_all)
     costs = []
     for n in found:
@@ -578,8 +623,11 @@ def plan_for_budget(
     timed: dict[Plan, float] = {}
     if measure and len(fits) > 1 and shortlist > 1:
         say(f"  timing the {min(shortlist, len(fits))} fastest-modeled plans that fit")
-        timed = _time({p: compiled[p] for p in fits[:shortlist]}, args, reps=7)
+        t0 = time.perf_counter()
+        timed, ran = _time({p: compiled[p] for p in fits[:shortlist]}, args, rounds=rounds)
         fits = sorted(timed, key=timed.get)
+        say(f"  timed in {ran} rounds ({time.perf_counter() - t0:.0f} s): "
+            + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits))  # fmt: skip
     chosen = fits[0]
     predicted = floor + _predict(costs, chosen)
     tried = tuple(Tried(p, _temp(ex), seconds(p), timed.get(p)) for p, ex in compiled.items())

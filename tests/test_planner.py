@@ -189,10 +189,10 @@ def test_measured_times_choose_among_the_fitting_plans(projs, monkeypatch):
     # model ranks it last (saving cheap activations can be slower than recomputing them).
     from remat_nn import _planner
 
-    def fake_time(executables, args, reps):
+    def fake_time(executables, args, rounds):
         plans = list(executables)
         assert len(plans) >= 2
-        return {p: (0.5 if p is plans[-1] else 1.0) for p in plans}
+        return {p: (1.0 if p is plans[-1] else 2.0) for p in plans}, rounds
 
     monkeypatch.setattr(_planner, "_time", fake_time)
     report = rn.plan_for_budget(proj_loss, *projs, budget=1.0, shortlist=3, **RATES)
@@ -270,10 +270,15 @@ def test_count_flops_multiplies_scan_bodies():
     assert rn.matmul_flops(f, jnp.ones((2, 8))) == 5 * 2 * 2 * 8 * 8
 
 
-def test_timing_is_relative_to_the_first_plan_and_paired():
+def test_timing_race_drops_the_clearly_slower_plan_and_ranks_against_the_winner():
     from remat_nn import _planner
 
-    f = jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile()
-    g = jax.jit(lambda x: x @ x @ x @ x).lower(jnp.ones((64, 64))).compile()
-    rel = _planner._time({"f": f, "g": g}, (jnp.ones((64, 64)),), reps=5)
-    assert rel["f"] == 1.0 and rel["g"] > 0
+    x = jnp.ones((256, 256))
+    f = jax.jit(lambda x: x @ x).lower(x).compile()
+    g = jax.jit(lambda x: x @ x @ x @ x @ x @ x @ x @ x).lower(x).compile()  # 7x the FLOPs
+    rel, ran = _planner._time({"g": g, "f": f}, (x,), rounds=40)
+    assert rel["f"] == 1.0 and rel["g"] > 1.5
+    assert ran < 40  # g dropped out, which ended the race early
+    # Nobody drops out before the fifth round, however slow.
+    rel, ran = _planner._time({"g": g, "f": f}, (x,), rounds=4)
+    assert ran == 4 and rel["f"] == 1.0 and rel["g"] > 1.5
