@@ -9,6 +9,7 @@ preset that also fits, timed in the same shuffled rounds (median of paired ratio
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -33,6 +34,11 @@ def _budgets(temps: dict[str, int], count: int) -> list[int]:
         step = (len(mids) - 1) / (count - 1)
         mids = [mids[round(i * step)] for i in range(count)]
     return mids
+
+
+def _default(arg: str) -> object:
+    """``rn.plan_for_budget``'s default for ``arg`` (the benchmark calls it with its defaults)."""
+    return inspect.signature(rn.plan_for_budget).parameters[arg].default
 
 
 def _plan_text(plan: rn.Plan) -> str:
@@ -104,9 +110,9 @@ def run(quick: bool = False) -> Result:
         "the fastest fitting preset is the one the plan's ratio is worst against. The planner is "
         "called with its defaults "
         "(`rn.plan_for_budget(loss, params, tokens, budget=b)`): it leaves offload out on CPU "
-        "(one memory), and, since the arguments are concrete, races its 6 fastest-modeled fitting "
-        "plans (up to 15 rounds, clearly slower ones dropping out) and keeps the fastest "
-        "measured.",
+        "(one memory), and, since the arguments are concrete, races its "
+        f"{_default('shortlist')} fastest-modeled fitting plans (up to {_default('rounds')} "
+        "rounds, clearly slower ones dropping out) and keeps the fastest measured.",
         "",
         "| budget | planner's plan | compiled temp (predicted) | fits | presets that fit | "
         "fastest fitting preset (measured) | plan time / preset time | plan / itself (noise) | "
