@@ -37,6 +37,7 @@ import yaml
 
 import models
 import remat_nn as rn
+from remat_nn._jax_internals import saved_residuals, sub_jaxprs
 
 __all__ = ["count_matmul_flops", "count_params", "example_batch", "loss_fn", "main"]
 
@@ -71,7 +72,7 @@ def _jaxpr_flops(jaxpr: Any) -> float:
     for eqn in jaxpr.eqns:
         total += _eqn_flops(eqn)
         times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn):  # jit, checkpoint, custom_vjp, scan bodies (remat3's too)
             total += times * _jaxpr_flops(sub)
     return total
 
@@ -188,8 +189,6 @@ def _residual_report(loss: Callable[..., Any], params: Any, x: jax.Array) -> str
     try:
         return str(rn.memory_report(loss, params, x))
     except Exception as e:  # noqa: BLE001 -- report the totals rather than nothing
-        from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_...
-
         res = saved_residuals(loss, params, x)
         total = sum(math.prod(a.shape) * _itemsize(a.dtype) for a, _ in res)
         return (

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import core
+
+from remat_nn._jax_internals import sub_jaxprs
 
 __all__ = ["count_flops", "jaxpr_flops", "matmul_flops"]
 
@@ -59,7 +60,7 @@ def jaxpr_flops(jaxpr: Any, *, matmul_only: bool = False) -> int:
         if prim == "cond":
             continue
         reps = eqn.params["length"] if prim == "scan" else 1
-        for sub in core.jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn):  # jit, checkpoint, custom_vjp, scan bodies (remat3's too)
             total += reps * jaxpr_flops(sub, matmul_only=matmul_only)
     return total
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax._src import core, source_info_util
-from jax._src.ad_checkpoint import name_p
-from jax._src.lax import lax as lax_internal
+import jax.extend.core.primitives as prims
+
+from remat_nn._jax_internals import checkpoint_name_of, core, source_info_util
 
 __all__ = [
     "CompiledMemory",
@@ -128,7 +128,7 @@ def _look_through(jaxpr: Any, v: Any) -> Any:
     while (
         not isinstance(v, core.Literal)
         and (e := producers.get(v)) is not None
-        and (e.primitive is lax_internal.reduce_precision_p or e.primitive.name == "device_put")
+        and (e.primitive is prims.reduce_precision_p or e.primitive.name == "device_put")
     ):
         v = e.invars[0]
     return v
@@ -190,8 +190,8 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
         eqn = _producer(jaxpr, v)
         src = source_info_util.summarize(eqn.source_info)
         scope = _scope(eqn)
-        if eqn.primitive is name_p:
-            res_name, kind, prim = eqn.params["name"], "named", "name"
+        if (res_name := checkpoint_name_of(eqn)) is not None:
+            kind, prim = "named", "name"
         else:
             res_name, kind, prim = None, "output", eqn.primitive.name
         out.append(Residual(res_name, kind, src, scope, prim, shape, dtype, nbytes, action))

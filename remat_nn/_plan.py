@@ -19,10 +19,8 @@ from typing import Any, Literal
 
 import jax
 import yaml
-from jax._src import core
-from jax._src.ad_checkpoint import name_p
-from jax._src.interpreters import partial_eval as pe
 
+from remat_nn._jax_internals import checkpoint_name_of, core, name_p, pe, sub_jaxprs
 from remat_nn.errors import PlanError
 
 __all__ = ["ACTIONS", "Plan", "names_in_jaxpr", "plan"]
@@ -270,20 +268,14 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
 # --- finding names in traced code -------------------------------------------------------------
 
 
-def _eqn_name(eqn: Any) -> str | None:
-    if eqn.primitive is name_p:
-        return eqn.params["name"]
-    prim = eqn.params.get("_prim")  # jax_remat3's CheckpointName, wrapped in call_hi
-    return getattr(prim, "name", None) if type(prim).__name__ == "CheckpointName" else None
-
-
 def names_in_jaxpr(jaxpr: Any, eqns: Iterable[Any] | None = None) -> Iterator[str]:
-    """Yields every activation name bound in ``jaxpr`` (or in ``eqns``), sub-jaxprs included."""
+    """Yields every activation name bound in ``jaxpr`` (or in ``eqns``), sub-jaxprs included
+    (also the ``checkpoint`` bodies and names JAX's ``jax_remat3`` flag stages)."""
     for eqn in jaxpr.eqns if eqns is None else eqns:
-        if (n := _eqn_name(eqn)) is not None:
+        if (n := checkpoint_name_of(eqn)) is not None:
             yield n
-        for sub in core.jaxprs_in_params(eqn.params):
-            yield from names_in_jaxpr(sub)
+        for sub in sub_jaxprs(eqn):
+            yield from names_in_jaxpr(getattr(sub, "jaxpr", sub))
 
 
 def names_in_current_trace() -> frozenset[str] | None:

@@ -15,6 +15,12 @@ from typing import Any, NamedTuple
 
 import jax
 
+from remat_nn._jax_internals import (
+    SaveAnyNamesButThese,
+    SaveOnlyTheseNames,
+    remat3_honours,
+    remat3_on,
+)
 from remat_nn.errors import PolicyError
 
 __all__ = ["ALIASES", "POLICIES", "Policy", "policy"]
@@ -189,3 +195,34 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
             "or use rn.plan for names."
         )
     return entry.obj(*args, **kwargs)
+
+
+_REMAT3 = """\
+{where}: JAX's `jax_remat3` upgrade flag is on, and its remat applies only `nothing_saveable`,
+the `dots` policies and name lists (`save_only_these_names`, plans that save or recompute names);
+with {what} it would silently recompute everything. Fix: a plan of names with save / recompute
+only (rn.plan(save=[...])), or turn the flag off (jax.config.update("jax_remat3", False))."""
+
+
+def for_remat3(spec: Any, resolved: Any, where: str) -> Any:
+    """The policy to hand ``jax.checkpoint``: ``resolved``, or, when the ``jax_remat3`` flag is
+    on, the equivalent policy JAX's new remat honours (a plan of names becomes a name list).
+
+    Raises:
+      PolicyError: ``jax_remat3`` is on and the policy has no equivalent it applies (an
+        offloading plan, ``everything_saveable``, a custom callable): never a silent no-op.
+    """
+    if not remat3_on() or remat3_honours(resolved):
+        return resolved
+    from remat_nn._plan import Plan, plan
+
+    the_plan = spec if isinstance(spec, Plan) else None
+    if the_plan is None and (isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec)):
+        the_plan = plan(spec)
+    if the_plan is not None and not the_plan.offload:
+        # Unnamed values are recomputed by a plan and by both name-list classes alike.
+        if the_plan.default == "recompute":
+            return SaveOnlyTheseNames(frozenset(the_plan.save))
+        return SaveAnyNamesButThese(frozenset(the_plan.recompute))
+    what = f"the plan {the_plan} (it offloads)" if the_plan is not None else f"policy {spec!r}"
+    raise PolicyError(_REMAT3.format(where=where, what=what))

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
+
+from remat_nn._jax_internals import source_info_util
 
 __all__ = [
     "ACTIVATIONS",

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 import remat_nn as rn
 from remat_nn import _demo
+from remat_nn._jax_internals import saved_residuals
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,14 @@ def test_memory_report_sees_names_inside_scanned_layers(stack):
     expected = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, _ in saved_residuals(fn, *stack))
     assert report.total_bytes == expected
     assert "p['w_in']" in str(report)  # arguments by parameter name and path
+
+
+def test_memory_report_names_with_either_remat(stack, jax_upgrade_flags):
+    """Names are found whichever remat JAX stages (jax_remat3 wraps them in call_hi_primitive)."""
+    fn = lambda p, x: _demo.loss(p, x, policy="save=mlp_hidden")  # noqa: E731
+    by_name = rn.memory_report(fn, *stack).by_name()
+    assert by_name["mlp_hidden"]["actions"] == {"saved"}
+    assert by_name["mlp_hidden"]["shapes"] == {(16, 16, 128)}  # (depth, B, hidden)
 
 
 def test_compare_policies_table(stack):

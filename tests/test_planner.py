@@ -136,7 +136,7 @@ def projs():
     return jnp.ones((8, 2, 64, 64)) / 64, jnp.ones((16, 64))
 
 
-def test_generous_budget_saves_and_tight_budget_recomputes(projs):
+def test_generous_budget_saves_and_tight_budget_recomputes(projs, jax_upgrade_flags):
     loose = rn.plan_for_budget(proj_loss, *projs, budget=1.0, measure=False, **RATES)
     assert loose.plan.save == ("proj_a", "proj_b")
     tight_bytes = loose.floor_temp_bytes
@@ -261,13 +261,17 @@ def test_function_without_names_is_an_error():
         rn.plan_for_budget(loss, jnp.ones((4, 4)), jnp.ones((2, 4)), budget="1MiB", **RATES)
 
 
-def test_count_flops_multiplies_scan_bodies():
+def test_count_flops_multiplies_scan_bodies(jax_upgrade_flags):
     w = jnp.ones((5, 8, 8))
 
     def f(x):
         return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
 
+    def g(x):  # the body under checkpoint: counted inside jax_remat3's call too
+        return jax.lax.scan(jax.checkpoint(lambda h, wi: (h @ wi, None)), x, w)[0]
+
     assert rn.matmul_flops(f, jnp.ones((2, 8))) == 5 * 2 * 2 * 8 * 8
+    assert rn.matmul_flops(g, jnp.ones((2, 8))) == 5 * 2 * 2 * 8 * 8
 
 
 def test_timing_race_drops_the_clearly_slower_plan_and_ranks_against_the_winner():

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 
 import remat_nn as rn
+from remat_nn._jax_internals import saved_residuals
 
 L, B, D = 3, 2, 4
 

@@ -211,7 +211,7 @@ def test_plan_validation_errors_name_the_value(spec, match):
         rn.plan(spec)
 
 
-def test_plan_name_absent_from_function_is_an_error():
+def test_plan_name_absent_from_function_is_an_error(jax_upgrade_flags):
     def f(x):
         return jnp.sum(rn.name(jnp.sin(x), "mlp_hidden"))
 
@@ -232,7 +232,7 @@ def test_plan_name_absent_from_module_is_an_error_at_first_use():
     assert names == {"act_0": 1, "dense_1": 1}
 
 
-def test_plan_names_inside_nested_scan_are_found():
+def test_plan_names_inside_nested_scan_are_found(jax_upgrade_flags):
     def body(c, _):
         return rn.name(jnp.sin(c), "inner"), None
 
@@ -247,3 +247,27 @@ def test_plan_names_inside_nested_scan_are_found():
 def test_remat_rejects_module_instances_as_flax_does():
     with pytest.raises(flax.errors.TransformTargetError, match="Dense"):
         nn.remat(fnn.Dense(2))
+
+
+def test_plans_under_jax_remat3_save_their_names_or_fail_loudly(jax_upgrade_flags):
+    """JAX's new remat (the `jax_remat3` upgrade flag) applies only name lists and the dots
+    policies: a plan of names becomes the name list with the same meaning; a policy it would
+    silently ignore (recompute everything) is an error, never a no-op."""
+
+    def f(x):
+        h = rn.name(jnp.sin(x), "mlp_hidden")
+        return jnp.sum(jnp.sin(rn.name(h * h, "mlp_out")))
+
+    x = jnp.linspace(0.0, 1.0, 4)
+    keep_out = {"default": "save", "recompute": ["mlp_hidden"]}
+    for spec, saved in (("save=mlp_hidden", {"mlp_hidden"}), (keep_out, {"mlp_out"})):
+        g = rn.checkpoint(f, policy=spec)
+        assert set(rn.memory_report(g, x).names()) == saved, spec
+        np.testing.assert_allclose(jax.grad(g)(x), jax.grad(f)(x), rtol=1e-6)
+    if jax_upgrade_flags == "default":
+        return
+    for spec in ("offload=mlp_hidden", "everything_saveable", lambda *_, **__: True):
+        with pytest.raises(rn.PolicyError, match="jax_remat3"):
+            rn.checkpoint(f, policy=spec)
+        with pytest.raises(rn.PolicyError, match="jax_remat3"):
+            nn.remat(MLP, policy=spec)

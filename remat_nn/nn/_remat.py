@@ -18,6 +18,7 @@ from flax import errors as flax_errors
 from flax.linen.transforms import checkpoint as flax_remat  # the original, even if patched
 
 from remat_nn._plan import Plan, checked_body, plan
+from remat_nn._policies import for_remat3
 from remat_nn._policies import policy as resolve_policy
 
 __all__ = ["checkpoint", "remat"]
@@ -164,7 +165,7 @@ def remat(
     _check_policy(policy, "nn.remat")
     _check_bool(prevent_cse, "prevent_cse", "nn.remat")
     _check_bool(concrete, "concrete", "nn.remat")
-    resolved = resolve_policy(policy)
+    resolved = for_remat3(policy, resolve_policy(policy), "nn.remat")
     # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
     flax_kwargs = dict(variables=variables, rngs=rngs, concrete=concrete, prevent_cse=prevent_cse,
                        static_argnums=static_argnums, policy=resolved, methods=methods)  # fmt: skip
@@ -240,6 +241,9 @@ def checkpoint(
     the_plan = _as_plan(policy)
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(fn, "__name__", repr(fn)))
-    return jax.checkpoint(
-        fn, policy=resolve_policy(policy), prevent_cse=prevent_cse, static_argnums=static_argnums
+    resolved = for_remat3(policy, resolve_policy(policy), "rn.checkpoint")
+    rematted = jax.checkpoint(
+        fn, policy=resolved, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
+    # jax_remat3 returns a bare partial: keep fn's name and signature (reports name arguments).
+    return functools.wraps(fn)(rematted) if isinstance(rematted, functools.partial) else rematted

@@ -1,0 +1,134 @@
+"""Every JAX name remat_nn reads from outside JAX's public API, in one place.
+
+remat_nn walks jaxprs (the invertible walk, plan checks, memory reports, the planner), so it
+needs JAX's IR types and a few primitives and helpers that JAX does not export. Each import says
+why it is needed and the public alternative where one exists; a JAX upgrade that moves one of
+them breaks this file only.
+
+JAX's upgrade flags ``jax_remat3`` and ``jax_custom_vjp3`` (future defaults) stage
+``jax.checkpoint``, ``checkpoint_name`` and ``jax.custom_vjp`` as one ``call_hi_primitive``
+whose ``_prim`` param is the object that says which: :func:`hi_kind` tells them apart, and
+:func:`sub_jaxprs` / :func:`checkpoint_name_of` read them like the classic primitives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend.core.primitives as _public_prims
+
+# core: the IR (Var, Literal, DropVar, Jaxpr, ClosedJaxpr, JaxprEqn, jaxprs_in_params) is public
+# in jax.extend.core; remat_nn also needs eval_jaxpr, typeof on tracers, closed_call_p, Tracer and
+# the trace context from the same module, so it takes the whole private module once.
+# source_info_util: source locations of equations (file:line in errors and reports); not public.
+from jax._src import core, source_info_util
+
+# saved_residuals: JAX's list of what a VJP stores; public only as print_saved_residuals.
+# RematTraced / CheckpointName: what jax_remat3 stages; DotsSaveable / SaveOnlyTheseNames /
+# SaveAnyNamesButThese: the only policy classes jax_remat3 honours. No public alternative.
+from jax._src.ad_checkpoint import (
+    CheckpointName,
+    DotsSaveable,
+    RematTraced,
+    SaveAnyNamesButThese,
+    SaveOnlyTheseNames,
+    saved_residuals,
+)
+
+# call_hi_primitive and CustomVJPTraced: what jax_remat3 / jax_custom_vjp3 stage; not public.
+from jax._src.hijax import CustomVJPTraced, call_hi_primitive_p
+
+# partial_eval: convert_constvars_jaxpr, dce_rules and the remat policy results (Saveable,
+# Recompute, Offloadable); no public alternative.
+from jax._src.interpreters import partial_eval as pe
+
+# Not in jax.extend.core.primitives (jnp.split / lax.optimization_barrier bind them).
+from jax._src.lax.lax import optimization_barrier_p, split_p
+
+# Public: jax.extend.core.primitives.
+custom_jvp_call_p = _public_prims.custom_jvp_call_p
+custom_vjp_call_p = _public_prims.custom_vjp_call_p
+jit_p = _public_prims.jit_p
+name_p = _public_prims.name_p
+remat_p = _public_prims.remat_p
+scan_p = _public_prims.scan_p
+
+__all__ = [
+    "CheckpointName",
+    "CustomVJPTraced",
+    "DotsSaveable",
+    "RematTraced",
+    "SaveAnyNamesButThese",
+    "SaveOnlyTheseNames",
+    "call_hi_primitive_p",
+    "checkpoint_name_of",
+    "core",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "hi_kind",
+    "jit_p",
+    "name_p",
+    "optimization_barrier_p",
+    "pe",
+    "remat3_honours",
+    "remat3_on",
+    "remat_p",
+    "saved_residuals",
+    "scan_p",
+    "source_info_util",
+    "split_p",
+    "sub_jaxprs",
+]
+
+
+def remat3_on() -> bool:
+    """Whether ``jax.checkpoint`` stages JAX's new remat (the ``jax_remat3`` upgrade flag)."""
+    return bool(jax.config.jax_remat3)
+
+
+def remat3_honours(policy: Any) -> bool:
+    """Whether JAX's new remat (``jax_remat3``) applies ``policy`` as the classic one does.
+
+    It recognises only ``nothing_saveable`` (and None), the ``dots`` policies and the two
+    name-list classes; any other callable is silently treated as "recompute everything".
+    """
+    return (
+        policy is None
+        or isinstance(policy, DotsSaveable | SaveOnlyTheseNames | SaveAnyNamesButThese)
+        or policy is jax.checkpoint_policies.nothing_saveable
+    )
+
+
+def hi_kind(eqn: Any) -> str | None:
+    """``"remat"``, ``"name"`` or ``"custom_vjp"`` for an equation staged under the upgrade
+    flags (a ``call_hi_primitive``), else None."""
+    if eqn.primitive is not call_hi_primitive_p:
+        return None
+    prim = eqn.params["_prim"]
+    if isinstance(prim, RematTraced):
+        return "remat"
+    if isinstance(prim, CheckpointName):
+        return "name"
+    if isinstance(prim, CustomVJPTraced):
+        return "custom_vjp"
+    return None
+
+
+def checkpoint_name_of(eqn: Any) -> str | None:
+    """The activation name a ``checkpoint_name`` equation gives its value, else None."""
+    if eqn.primitive is name_p:
+        return eqn.params["name"]
+    if hi_kind(eqn) == "name":
+        return eqn.params["_prim"].name
+    return None
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The bodies (open ``Jaxpr``s) an equation runs, the upgrade flags' included."""
+    kind = hi_kind(eqn)
+    if kind == "remat":
+        return [eqn.params["_prim"].jaxpr.jaxpr]
+    if kind == "custom_vjp":
+        return [eqn.params["_prim"].traced.jaxpr.jaxpr]
+    return list(core.jaxprs_in_params(eqn.params))
