@@ -18,6 +18,7 @@ from benchmarks import _common
 #: benchmark name -> module (each has ``run(quick: bool) -> Result``).
 BENCHMARKS = {
     "depth": "benchmarks.depth",
+    "invertible": "benchmarks.invertible",
     "revnet": "benchmarks.revnet",
     "transformer": "benchmarks.transformer",
     "donation": "benchmarks.donation",

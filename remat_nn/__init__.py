@@ -34,14 +34,15 @@ from remat_nn._flops import count_flops, matmul_flops
 from remat_nn._planner import PlanReport, parse_budget, plan_for_budget
 
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
-from remat_nn._inverse_rules import register_inverse
-from remat_nn._invertible import (
+from remat_nn.invertible import (
+    Guard,
     InversionEntry,
     InversionReport,
     Invertible,
     custom_ivjp,
     inversion_report,
     invertible,
+    register_inverse,
 )
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
@@ -83,6 +84,7 @@ __all__ = [
     "name",
     "names",
     # invertible
+    "Guard",
     "InversionEntry",
     "InversionReport",
     "Invertible",

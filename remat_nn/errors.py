@@ -33,9 +33,13 @@ class PlanError(RematNNError, ValueError):
 
 
 class NotInvertibleError(RematNNError, ValueError):
-    """A function given to ``rn.invertible`` contains an operation with no exact inverse.
+    """An inversion that did not hold: ``rn.invertible``'s backward pass found, at run time,
+    that rebuilding an operand lost information (a known factor of 0, ``log`` of an underflowed
+    ``exp``), or ``rn.custom_ivjp.check`` found a user rule that does not invert.
 
-    The message names the primitive and the source line. Fix: give the function an explicit
-    inverse with ``rn.custom_ivjp``, or use ``rn.invertible(f, fallback="recompute")`` /
-    remat for the non-invertible part.
+    The message names the primitive and the source line. Under ``jax.jit`` it arrives inside a
+    ``JaxRuntimeError`` (raised from a host callback). Example of the wrong code and the fix::
+
+        rn.invertible(lambda x, w: x * (w > 0))            # rebuilding x divides by the mask
+        rn.invertible(lambda x, w: x * (w > 0), fallback="recompute")   # fix: keep x instead
     """

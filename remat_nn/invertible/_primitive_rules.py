@@ -1,15 +1,18 @@
-"""Inverse rules: how ``rn.invertible`` reconstructs an equation's inputs from its outputs.
+"""Primitive rules: how ``rn.invertible`` reconstructs one primitive's operands from its outputs.
 
-One registry maps a JAX primitive to a rule. A rule receives the equation's inputs, with each
-input to reconstruct given as a ``jax.ShapeDtypeStruct`` (its shape and dtype, no value), the
-equation's outputs and its params, and returns all inputs. The reverse walk of
-:func:`remat_nn.invertible` calls it with every other input already known, so ``mul`` and ``div``
-are invertible in the operand that is not known, ``add`` in either one, and so on.
+One registry maps a JAX primitive to a :class:`PrimitiveRule`. Its ``inverse`` receives the
+equation's operands, each one to reconstruct given as a ``jax.ShapeDtypeStruct`` (shape and
+dtype, no value), the equation's outputs and its params, and returns all operands. The walk
+calls it with every other operand known, so ``mul`` and ``div`` are invertible in the operand
+that is not known, ``add`` in either one, and so on.
 
-Only primitives with an inverse that is exact in real arithmetic are registered; floating point
-round-off is the only error (RevNet's own setting). Each rule says why it is exact. Call-like
-primitives (``jit``, ``scan``, ``custom_jvp_call``, ...) are handled in ``_invertible.py``, which
-recurses into their jaxprs.
+Only primitives with an inverse that is exact in real arithmetic are registered. Where floating
+point can still destroy the information (a known factor that is 0, ``exp`` that underflowed to
+0, ``expm1`` saturated at -1) the rule carries a :class:`Guard`: the walk checks it on the values
+at hand and stops the program with an error naming the primitive and line instead of returning a
+non-finite gradient (``fallback="recompute"`` avoids guarded inversions altogether). The
+thresholds come from the operand's dtype (``finfo(dtype).tiny``), so bfloat16 / float16 are
+checked on their own ranges.
 """
 
 from __future__ import annotations
@@ -23,26 +26,48 @@ import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax.lax import optimization_barrier_p, split_p
 from jax.extend.core import Primitive
 
-__all__ = ["InverseRule", "register_inverse"]
+from remat_nn._jax_internals import optimization_barrier_p, split_p
 
-#: ``rule(invals, outvals, **params) -> invals``; the entries of ``invals`` to reconstruct are
-#: ``jax.ShapeDtypeStruct`` placeholders, the others are the known values.
+__all__ = ["Guard", "InverseRule", "PrimitiveRule", "lookup", "register_inverse", "registered"]
+
+#: ``inverse(invals, outvals, **params) -> invals``; the entries of ``invals`` to reconstruct
+#: are ``jax.ShapeDtypeStruct`` placeholders, the others are the known values.
 InverseRule = Callable[..., Sequence[Any]]
-#: ``check(params, in_avals, unknown) -> reason or None``: can ``unknown`` (input positions) be
-#: reconstructed at once? ``None`` means yes; a string says why not (shown in the error).
+#: ``check(params, in_avals, unknown) -> reason or None``: can the operand positions
+#: ``unknown`` be reconstructed at once? ``None`` means yes; a string says why not.
 InverseCheck = Callable[[Mapping[str, Any], Sequence[Any], tuple[int, ...]], "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rule:
+class Guard:
+    """A run-time exactness check of one rule.
+
+    Attributes:
+      reason: what can destroy the information, shown in the error ("the known factor is 0").
+      ok: ``ok(invals, outvals, new_invals, unknown, **params) -> bool`` array: True where the
+        reconstruction is exact. ``invals`` has placeholders where ``new_invals`` has values.
+      static_ok: optional ``static_ok(invals, unknown) -> bool``: True if the known operands
+        (Python / NumPy constants, else placeholders) already prove exactness, so no check runs.
+    """
+
+    reason: str
+    ok: Callable[..., Any]
+    static_ok: Callable[[Sequence[Any], tuple[int, ...]], bool] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveRule:
+    """How to reconstruct the operands of one primitive (see the module docstring)."""
+
     inverse: InverseRule
-    positions: tuple[int, ...] | None
-    check: InverseCheck | None
+    positions: tuple[int, ...] | None = None  # positions it reconstructs, one at a time
+    check: InverseCheck | None = None  # replaces ``positions``: which sets of positions
+    guard: Guard | None = None
 
     def why_not(self, params, in_avals, unknown: tuple[int, ...]) -> str | None:
+        """None if ``unknown`` (operand positions) can be reconstructed at once, else why not."""
         if self.check is not None:
             return self.check(params, in_avals, unknown)
         if len(unknown) != 1:
@@ -51,11 +76,20 @@ class _Rule:
             return f"its rule cannot reconstruct operand {unknown[0]} (only {self.positions})"
         return None
 
-    def linked_positions(self, n_in: int) -> tuple[int, ...]:
-        return tuple(range(n_in)) if self.positions is None else self.positions
+    def reconstructs(self, position: int) -> bool:
+        """Whether the rule can ever reconstruct operand ``position``."""
+        return self.positions is None or position in self.positions
+
+    def lossy(self, constants: Sequence[Any], unknown: tuple[int, ...]) -> str | None:
+        """Why this inversion needs a run-time check (None: exact for any values)."""
+        if self.guard is None:
+            return None
+        if self.guard.static_ok is not None and self.guard.static_ok(constants, unknown):
+            return None
+        return self.guard.reason
 
 
-_RULES: dict[Primitive, _Rule] = {}
+_RULES: dict[Primitive, PrimitiveRule] = {}
 
 
 def register_inverse(
@@ -64,6 +98,7 @@ def register_inverse(
     *,
     positions: Sequence[int] | None = None,
     check: InverseCheck | None = None,
+    guard: Guard | None = None,
 ) -> None:
     """Registers how to reconstruct the inputs of ``primitive`` from its outputs.
 
@@ -81,7 +116,9 @@ def register_inverse(
         means any single position.
       check: optional ``check(params, in_avals, unknown) -> str | None`` replacing
         ``positions``: ``unknown`` is the tuple of positions to reconstruct at once; return
-        ``None`` if the rule can, else the reason (shown in ``NotInvertibleError``).
+        ``None`` if the rule can, else the reason.
+      guard: optional :class:`Guard`, a run-time check for inverses that floating point can
+        break (division by a value that may be 0); without one the rule is taken as exact.
 
     Returns:
       None.
@@ -113,11 +150,23 @@ def register_inverse(
             f"rn.register_inverse({primitive.name}): argument `rule` must be callable "
             f"(invals, outvals, **params) -> invals, got {type(rule).__name__}."
         )
-    _RULES[primitive] = _Rule(rule, None if positions is None else tuple(positions), check)
+    if guard is not None and not isinstance(guard, Guard):
+        raise TypeError(
+            f"rn.register_inverse({primitive.name}): argument `guard` must be a "
+            f"remat_nn.invertible.Guard, got {type(guard).__name__}."
+        )
+    _RULES[primitive] = PrimitiveRule(
+        rule, None if positions is None else tuple(positions), check, guard
+    )
 
 
-def lookup(primitive: Primitive) -> _Rule | None:
+def lookup(primitive: Primitive) -> PrimitiveRule | None:
     return _RULES.get(primitive)
+
+
+def registered() -> dict[Primitive, PrimitiveRule]:
+    """A copy of the registry (primitive -> rule)."""
+    return dict(_RULES)
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -144,6 +193,13 @@ def fit(v: Any, like: Any) -> Any:
     return v
 
 
+def _tiny(x: Any) -> float:
+    """The least normal magnitude of ``x``'s dtype (1 for integers: only 0 is lost)."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return 1.0
+    return float(jnp.finfo(x.dtype).tiny)
+
+
 def _unary(inverse: Callable[[Any], Any]) -> InverseRule:
     def rule(invals, outvals, **params):
         del params
@@ -166,7 +222,7 @@ def _binary(solve0: Callable, solve1: Callable) -> InverseRule:
     return rule
 
 
-def _identity(invals, outvals, **params):
+def identity(invals, outvals, **params):
     del params
     return [o if is_unknown(i) else i for i, o in zip(invals, outvals, strict=True)]
 
@@ -176,46 +232,105 @@ def _any_subset(params, in_avals, unknown):
     return None
 
 
+def _finite_result(invals, outvals, new, unknown, **params):
+    del invals, outvals, params
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(new[p])) for p in unknown]))
+
+
+def _const_normal(invals, unknown) -> bool:
+    """The known operand is a constant whose every element is finite and not tiny."""
+    (p,) = unknown
+    known = invals[1 - p]
+    if is_unknown(known) or isinstance(known, jax.Array):
+        return False
+    arr = np.asarray(known)
+    if not np.issubdtype(arr.dtype, np.floating):
+        return bool(np.all(arr != 0))
+    return bool(np.all(np.isfinite(arr)) and np.all(np.abs(arr) >= np.finfo(arr.dtype).tiny))
+
+
 # --- arithmetic: y = op(a, b) with one operand known --------------------------------------------
-
-# add/sub/neg are exact up to one rounding; mul/div by a known operand are exact up to one
-# rounding unless that operand is 0 (then the forward pass itself destroyed the information).
-_RULES[prims.add_p] = _Rule(_binary(lax.sub, lax.sub), None, None)
+# add/sub/neg are exact up to one rounding.
+_RULES[prims.add_p] = PrimitiveRule(_binary(lax.sub, lax.sub))
 _RULES[prims.add_jaxvals_p] = _RULES[prims.add_p]
-_RULES[prims.sub_p] = _Rule(_binary(lax.add, lambda y, a: lax.sub(a, y)), None, None)
-_RULES[prims.mul_p] = _Rule(_binary(lax.div, lax.div), None, None)
-_RULES[prims.div_p] = _Rule(_binary(lax.mul, lambda y, a: lax.div(a, y)), None, None)
-_RULES[prims.neg_p] = _Rule(_unary(lax.neg), None, None)
+_RULES[prims.sub_p] = PrimitiveRule(_binary(lax.add, lambda y, a: lax.sub(a, y)))
+_RULES[prims.neg_p] = PrimitiveRule(_unary(lax.neg))
 
-# --- elementwise bijections (each is one-to-one on the domain where the forward is finite) -------
-_RULES[prims.exp_p] = _Rule(_unary(lax.log), None, None)
-_RULES[prims.log_p] = _Rule(_unary(lax.exp), None, None)
-_RULES[prims.expm1_p] = _Rule(_unary(lax.log1p), None, None)
-_RULES[prims.log1p_p] = _Rule(_unary(lax.expm1), None, None)
-_RULES[prims.exp2_p] = _Rule(_unary(jnp.log2), None, None)
+
+def _mul_ok(invals, outvals, new, unknown, **params):
+    # a = y / b is exact up to one rounding while the known factor b is a normal number; where b
+    # is 0 (a mask, a gate, ReZero's scale at init) the forward pass destroyed a.
+    del outvals, params
+    (p,) = unknown
+    b = jnp.asarray(invals[1 - p])
+    return jnp.all(jnp.abs(b) >= _tiny(b)) & jnp.all(jnp.isfinite(new[p]))
+
+
+_RULES[prims.mul_p] = PrimitiveRule(
+    _binary(lax.div, lax.div),
+    guard=Guard(
+        "the known factor is 0 or subnormal, so the product lost it", _mul_ok, _const_normal
+    ),
+)
+# y = a / b: a = y * b (b finite and nonzero keeps it exact); b = a / y (y finite and nonzero).
+_RULES[prims.div_p] = PrimitiveRule(
+    _binary(lax.mul, lambda y, a: lax.div(a, y)),
+    guard=Guard(
+        "a known operand is 0, infinite or subnormal, so the quotient lost the other one",
+        _finite_result,
+        lambda invals, unknown: unknown == (0,) and _const_normal(invals, unknown),
+    ),
+)
+
+
+# --- elementwise bijections (one-to-one where the forward is finite) ------------------------------
+def _exp_ok(invals, outvals, new, unknown, **params):
+    # exp underflows to 0 (float32: below about -87; float16: -9.7): log(0) = -inf.
+    del invals, new, unknown, params
+    (y,) = outvals
+    return jnp.all(jnp.isfinite(y) & (y >= _tiny(y)))
+
+
+def _expm1_ok(invals, outvals, new, unknown, **params):
+    # expm1(x) saturates at -1: log1p(y) loses -log2(1 + y) bits. Below x = -2.08 (1 + y < 1/8)
+    # more than 3 bits are gone, and at float32 x < -17 it is -1 exactly (log1p(-1) = -inf).
+    del invals, new, unknown, params
+    (y,) = outvals
+    return jnp.all(jnp.isfinite(y) & (y + 1 >= 0.125))
+
+
+_RULES[prims.exp_p] = PrimitiveRule(
+    _unary(lax.log), guard=Guard("exp underflowed to 0 (or overflowed)", _exp_ok)
+)
+_RULES[prims.exp2_p] = PrimitiveRule(
+    _unary(jnp.log2), guard=Guard("exp2 underflowed to 0 (or overflowed)", _exp_ok)
+)
+_RULES[prims.expm1_p] = PrimitiveRule(
+    _unary(lax.log1p), guard=Guard("expm1 saturated near -1 (or overflowed)", _expm1_ok)
+)
+_RULES[prims.log_p] = PrimitiveRule(_unary(lax.exp))
+_RULES[prims.log1p_p] = PrimitiveRule(_unary(lax.expm1))
 # sqrt is one-to-one on x >= 0, the only inputs with a real output.
-_RULES[prims.sqrt_p] = _Rule(_unary(lambda y: y * y), None, None)
-_RULES[prims.rsqrt_p] = _Rule(_unary(lambda y: lax.div(jnp.ones_like(y), y * y)), None, None)
-_RULES[prims.cbrt_p] = _Rule(_unary(lambda y: y * y * y), None, None)
+_RULES[prims.sqrt_p] = PrimitiveRule(_unary(lambda y: y * y))
+_RULES[prims.rsqrt_p] = PrimitiveRule(
+    _unary(lambda y: lax.div(jnp.ones_like(y), y * y)),
+    guard=Guard("rsqrt of a huge value underflowed", _finite_result),
+)
+_RULES[prims.cbrt_p] = PrimitiveRule(_unary(lambda y: y * y * y))
 # sinh / asinh are bijections of the real line, well conditioned in both directions.
-_RULES[prims.sinh_p] = _Rule(_unary(lax.asinh), None, None)
-_RULES[prims.asinh_p] = _Rule(_unary(lax.sinh), None, None)
+_RULES[prims.sinh_p] = PrimitiveRule(_unary(lax.asinh))
+_RULES[prims.asinh_p] = PrimitiveRule(_unary(lax.sinh))
 # Not registered: tanh / logistic / erf (bijections, but the inverse loses all precision where
 # the forward saturates), cumsum (differences of partial sums cancel catastrophically), square /
 # abs / integer_pow with even powers (two-to-one), reduce_precision (lossy).
 
 
 # --- identities on values ---------------------------------------------------------------------
-for _p in (
-    prims.copy_p,
-    prims.name_p,
-    prims.stop_gradient_p,
-    prims.sharding_constraint_p,
-):
-    _RULES[_p] = _Rule(_identity, None, None)
+for _p in (prims.copy_p, prims.name_p, prims.stop_gradient_p, prims.sharding_constraint_p):
+    _RULES[_p] = PrimitiveRule(identity)
 # device_put / optimization_barrier map n operands to n equal outputs: any subset is known.
-_RULES[prims.device_put_p] = _Rule(_identity, None, _any_subset)
-_RULES[optimization_barrier_p] = _Rule(_identity, None, _any_subset)
+_RULES[prims.device_put_p] = PrimitiveRule(identity, check=_any_subset)
+_RULES[optimization_barrier_p] = PrimitiveRule(identity, check=_any_subset)
 
 
 # --- layout: a permutation or reshaping of the same elements -----------------------------------
@@ -229,19 +344,17 @@ def _reshape(invals, outvals, *, new_sizes, dimensions, **params):
     return [lax.transpose(lax.reshape(y, permuted), tuple(np.argsort(dimensions)))]
 
 
-_RULES[prims.reshape_p] = _Rule(_reshape, (0,), None)
-_RULES[prims.squeeze_p] = _Rule(
-    lambda invals, outvals, **_: [lax.reshape(outvals[0], invals[0].shape)], None, None
+_RULES[prims.reshape_p] = PrimitiveRule(_reshape, (0,))
+_RULES[prims.squeeze_p] = PrimitiveRule(
+    lambda invals, outvals, **_: [lax.reshape(outvals[0], invals[0].shape)]
 )
-_RULES[prims.transpose_p] = _Rule(
+_RULES[prims.transpose_p] = PrimitiveRule(
     lambda invals, outvals, *, permutation: [
         lax.transpose(outvals[0], tuple(np.argsort(permutation)))
-    ],
-    None,
-    None,
+    ]
 )
-_RULES[prims.rev_p] = _Rule(
-    lambda invals, outvals, *, dimensions: [lax.rev(outvals[0], dimensions)], None, None
+_RULES[prims.rev_p] = PrimitiveRule(
+    lambda invals, outvals, *, dimensions: [lax.rev(outvals[0], dimensions)]
 )
 
 
@@ -259,7 +372,7 @@ def _broadcast_in_dim(invals, outvals, *, shape, broadcast_dimensions, sharding)
     return [lax.reshape(sliced, x.shape), *invals[1:]]
 
 
-_RULES[prims.broadcast_in_dim_p] = _Rule(_broadcast_in_dim, (0,), None)
+_RULES[prims.broadcast_in_dim_p] = PrimitiveRule(_broadcast_in_dim, (0,))
 
 
 def _concatenate(invals, outvals, *, dimension):
@@ -273,7 +386,7 @@ def _concatenate(invals, outvals, *, dimension):
 
 
 # Operands are disjoint slices of the output: any subset of them is recovered by slicing.
-_RULES[prims.concatenate_p] = _Rule(_concatenate, None, _any_subset)
+_RULES[prims.concatenate_p] = PrimitiveRule(_concatenate, check=_any_subset)
 
 
 def _split(invals, outvals, *, sizes, axis):
@@ -281,7 +394,7 @@ def _split(invals, outvals, *, sizes, axis):
     return [lax.concatenate(list(outvals), axis)]
 
 
-_RULES[split_p] = _Rule(_split, (0,), None)
+_RULES[split_p] = PrimitiveRule(_split, (0,))
 
 
 def _pad(invals, outvals, *, padding_config):
@@ -306,11 +419,11 @@ def _pad_check(params, in_avals, unknown):
 
 
 # Positive padding keeps every operand element at a known position of the output.
-_RULES[prims.pad_p] = _Rule(_pad, (0,), _pad_check)
+_RULES[prims.pad_p] = PrimitiveRule(_pad, (0,), _pad_check)
 
 
 # --- dtype changes ------------------------------------------------------------------------------
-def _exact_cast(src: np.dtype, dst: np.dtype) -> str | None:
+def _exact_cast(src: Any, dst: Any) -> str | None:
     """None if every value of ``src`` is representable in ``dst``, else why not."""
     src, dst = np.dtype(src), np.dtype(dst)
     if src == dst or src == np.bool_:
@@ -336,7 +449,7 @@ def _convert_check(params, in_avals, unknown):
 
 
 # Widening casts are injective, so converting back is exact; narrowing ones round.
-_RULES[prims.convert_element_type_p] = _Rule(
+_RULES[prims.convert_element_type_p] = PrimitiveRule(
     lambda invals, outvals, **params: [lax.convert_element_type(outvals[0], invals[0].dtype)],
     (0,),
     _convert_check,
@@ -351,7 +464,7 @@ def _bitcast_check(params, in_avals, unknown):
 
 
 # A same-width bitcast reinterprets the same bits: bitcasting back is exact.
-_RULES[prims.bitcast_convert_type_p] = _Rule(
+_RULES[prims.bitcast_convert_type_p] = PrimitiveRule(
     lambda invals, outvals, **params: [lax.bitcast_convert_type(outvals[0], invals[0].dtype)],
     (0,),
     _bitcast_check,

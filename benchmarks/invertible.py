@@ -1,0 +1,139 @@
+"""rn.invertible's analysis: time against the number of equations, and the guarantees it keeps.
+
+The function is an unrolled stack of additive couplings (``y1 = x1 + tanh(x2 @ w)``,
+``y2 = x2 + tanh(y1 @ w)``, six equations each, one weight matrix per half-coupling), traced
+once; the time is that of the analysis (the monotone closure that decides what the walk rebuilds
+and keeps) plus building the backward walk's schedule, the least of several runs, for both
+``fallback`` settings. Beside it: the
+gradient error against plain autodiff at depth 64 and the compiled temp bytes of the gradient
+at depth 8 and 64 (flat: no activation is stored).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import remat_nn as rn  # noqa: E402
+from benchmarks._common import Result, Target  # noqa: E402
+from remat_nn.invertible._analysis import analyze  # noqa: E402
+from remat_nn.invertible._api import _trace  # noqa: E402
+
+D, B = 16, 32
+
+
+def stack(x1, x2, ws):
+    for i in range(len(ws) // 2):
+        x1 = x1 + jnp.tanh(x2 @ ws[2 * i])
+        x2 = x2 + jnp.tanh(x1 @ ws[2 * i + 1])
+    return x1, x2
+
+
+def make_stack(n: int):
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    w = 0.1 * jax.random.normal(k[0], (2 * n, D, D)) / np.sqrt(D)
+    return jax.random.normal(k[1], (B, D)), jax.random.normal(k[2], (B, D)), list(w)
+
+
+def _loss(f):
+    return lambda *a: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(f(*a)))
+
+
+def _analyse(traced, lossy_ok: bool) -> None:
+    analysis = analyze(traced.jaxpr, lossy_ok=lossy_ok, num_constants=len(traced.consts))
+    analysis.schedule(True, False)  # the backward walk's steps
+
+
+def analysis_seconds(couplings: list[int], rounds: int) -> tuple[list[int], dict, float]:
+    """Analysis time per stack size and fallback, in shuffled interleaved rounds.
+
+    Returns the equation counts, the least seconds per (fallback, size) over the rounds (a
+    collection of Python's cyclic GC adds ~0.15 s to whichever analysis it falls in), and the
+    noise: the ratio of those least times of the largest-but-one size and an identical second
+    copy of itself.
+    """
+    jobs = {}
+    eqns = []
+    for n in couplings:
+        for name, lossy_ok in (("error", True), ("recompute", False)):
+            traced = _trace(stack, make_stack(n), {}, lossy_ok=lossy_ok)
+            jobs[name, n] = (traced, lossy_ok)
+        eqns.append(len(traced.jaxpr.eqns))
+    jobs["itself", couplings[-2]] = jobs["error", couplings[-2]]
+    samples: dict = {k: [] for k in jobs}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        for k in rng.sample(list(jobs), len(jobs)):
+            t0 = time.perf_counter()
+            _analyse(*jobs[k])
+            samples[k].append(time.perf_counter() - t0)
+    least = {k: min(v) for k, v in samples.items()}
+    noise = least["itself", couplings[-2]] / least["error", couplings[-2]]
+    return eqns, least, noise
+
+
+def run(quick: bool = False) -> Result:
+    couplings = [20, 40, 80] if quick else [53, 107, 213, 427, 853]  # 6 equations each
+    rounds = 3 if quick else 9
+    eqns, med, noise = analysis_seconds(couplings, rounds)
+    secs = {f: [med[f, n] for n in couplings] for f in ("error", "recompute")}
+    rows = ["| equations | analysis, fallback=error | analysis, fallback=recompute |",
+            "|--:|--:|--:|"]  # fmt: skip
+    for e, t_err, t_rec in zip(eqns, secs["error"], secs["recompute"], strict=True):
+        rows.append(f"| {e:,} | {t_err * 1e3:.1f} ms | {t_rec * 1e3:.1f} ms |")
+
+    depth = 8 if quick else 64
+    args = make_stack(depth)
+    g_inv = jax.jit(jax.grad(_loss(rn.invertible(stack)), argnums=(0, 1, 2)))(*args)
+    g_ref = jax.jit(jax.grad(_loss(stack), argnums=(0, 1, 2)))(*args)
+    err = max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(g_inv), jax.tree.leaves(g_ref), strict=True)
+    )
+    temp = {}
+    for n in (2, 8) if quick else (8, 64):
+        grad = jax.grad(_loss(rn.invertible(stack)), argnums=(0, 1, 2))
+        temp[n] = rn.compiled_memory(grad, *make_stack(n)).temp_size_in_bytes
+    lo, hi = sorted(temp)
+
+    body = (
+        "Analysis time of an unrolled stack of additive couplings (least of "
+        f"{rounds} shuffled, interleaved rounds; noise, the {eqns[-2]:,}-equation analysis "
+        f"against itself: {noise:.3f}x):\n\n" + "\n".join(rows) + "\n\n"
+        f"Gradient rel err (max-abs scaled) against plain autodiff at depth {depth}: "
+        f"{err:.2e}.  \nCompiled temp bytes of the gradient: depth {lo}: {temp[lo]:,} B, "
+        f"depth {hi}: {temp[hi]:,} B."
+    )
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for k, v in secs.items():
+        ax.loglog(eqns, v, marker="o", label=f"fallback={k}")
+    ax.loglog(eqns, [secs["error"][0] * e / eqns[0] for e in eqns], "k:", label="linear")
+    ax.set_xticks(eqns, [f"{e:,}" for e in eqns])
+    ax.minorticks_off()
+    ax.set_xlabel("equations")
+    ax.set_ylabel("analysis seconds")
+    ax.set_title("rn.invertible analysis time (unrolled coupling stack)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+    i = len(eqns) - 2 if not quick else len(eqns) - 1  # 2,562 equations in the full run
+    growth = (secs["error"][-1] / secs["error"][-2]) / (eqns[-1] / eqns[-2])
+    linear = "yes" if growth <= 1.3 else ("within noise" if growth <= 1.3 * noise else "no")
+    targets = [
+        Target(f"analysis of {eqns[i]:,} equations <= 0.3 s", secs["error"][i] <= 0.3,
+               f"{secs['error'][i]:.3f} s (fallback=recompute {secs['recompute'][i]:.3f} s)"),
+        Target("linear in equations (time ratio / size ratio of the last doubling <= 1.3)",
+               growth <= 1.3, f"{growth:.2f} ({linear}; noise {noise:.3f}x)"),
+        Target(f"gradient rel err at depth {depth} <= 1e-5", err <= 1e-5, f"{err:.2e}"),
+        Target(f"temp flat from depth {lo} to {hi}", temp[lo] == temp[hi],
+               f"{temp[lo]:,} B -> {temp[hi]:,} B"),
+    ]  # fmt: skip
+    return Result("invertible", body, {"invertible_analysis.png": fig}, targets)

@@ -1,0 +1,30 @@
+"""remat_nn.invertible: memory-free VJPs that rebuild intermediates from outputs.
+
+The table of contents; the algorithm is explained in README.md beside this file.
+
+- ``_jaxpr``: evaluating and differentiating single equations.
+- ``_primitive_rules``: per-primitive inverses with their exactness guards (the registry).
+- ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp.
+- ``_analysis``: the monotone closure deciding what the walk knows and which inputs it keeps.
+- ``_walk``: the backward walk itself (schedule and execution, run-time checks).
+- ``_api``: ``rn.invertible`` (tracing, static arguments, the per-signature cache).
+- ``_custom_ivjp``: ``rn.custom_ivjp``.
+- ``_report``: ``rn.inversion_report``.
+"""
+
+from remat_nn.invertible._api import Invertible, invertible
+from remat_nn.invertible._custom_ivjp import custom_ivjp
+from remat_nn.invertible._primitive_rules import Guard, PrimitiveRule, register_inverse
+from remat_nn.invertible._report import InversionEntry, InversionReport, inversion_report
+
+__all__ = [
+    "Guard",
+    "InversionEntry",
+    "InversionReport",
+    "Invertible",
+    "PrimitiveRule",
+    "custom_ivjp",
+    "inversion_report",
+    "invertible",
+    "register_inverse",
+]

@@ -1,0 +1,323 @@
+"""Analysis: which values the reverse walk can know, and how, by one monotone closure.
+
+Starting from what the backward pass holds (the outputs, and the inputs it keeps), two rules
+are applied until nothing changes:
+
+- **forward**: an equation whose operands are all known makes its outputs known (recompute);
+- **inverse**: an equation whose outputs are all known, and whose rule can rebuild its unknown
+  operands from them and the known ones, makes those operands known (reconstruct).
+
+Both only ever add values, and whether a rule applies only gets easier as more is known, so the
+result is the least fixpoint: the same set whatever the statement order of the function. Each
+value records the first derivation that made it known; those form a DAG the walk follows.
+
+Which inputs are kept: those no rule could ever rebuild (weights, constants: the caller holds
+them anyway), then, only if the closure still misses a value the backward pass needs, the fewest
+further inputs (greedily, the input that makes the most needed values known, then the smallest).
+Intermediates are never stored: every value is reconstructed or recomputed from kept inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from remat_nn._jax_internals import core
+from remat_nn.invertible._equation_rules import Assessment, EquationRule, linked, rule_for
+from remat_nn.invertible._jaxpr import dce, display, is_float, is_var, nbytes, where
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """How a value becomes known in the reverse walk."""
+
+    kind: str  # "given" (an output or a kept input) | "forward" | "inverse"
+    eqn: int = -1  # the equation evaluated (forward) or undone (inverse)
+    unknown: tuple[int, ...] = ()  # inverse: the operand positions it rebuilds together
+    assessment: Assessment | None = None  # inverse: the rule's verdict (nested analysis, guard)
+
+
+class Analysis:
+    """The closure of one jaxpr (constvars already turned into leading invars).
+
+    Attributes:
+      known: every value the walk can know, with its derivation.
+      kept: input positions the forward pass stores (residuals): given ones excluded.
+      needs_vjp: per equation, whether a nonzero cotangent can reach a float operand of it.
+      lossy: why some inversion needs a run-time check, or None.
+      failure: why the closure misses a needed value, or None.
+    """
+
+    def __init__(
+        self,
+        jaxpr: core.Jaxpr,
+        known_in: Sequence[bool],
+        known_out: Sequence[bool],
+        *,
+        keep_inputs: bool,
+        lossy_ok: bool,
+        cache: dict,
+        constants: int = 0,
+    ):
+        self.jaxpr, self.eqns = jaxpr, jaxpr.eqns
+        self.known_in, self.known_out = tuple(known_in), tuple(known_out)
+        self.lossy_ok, self.cache = lossy_ok, cache
+        self.rules: list[EquationRule | None] = [rule_for(e) for e in self.eqns]
+        self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars if is_var(v)}
+        self.touching: dict[core.Var, list[int]] = {}  # var -> equations reading or writing it
+        for i, e in enumerate(self.eqns):
+            for a in (*e.invars, *e.outvars):
+                if is_var(a):
+                    self.touching.setdefault(a, []).append(i)
+        self.verdicts: dict[tuple[int, tuple[int, ...]], Assessment] = {}
+        self.deferred: set[int] = set()
+        self.needs_vjp = self._needs_vjp()
+        self.required = {
+            a for i, e in enumerate(self.eqns) if self.needs_vjp[i] for a in e.invars if is_var(a)
+        }
+        self.kept: tuple[int, ...] = ()
+        self.data_kept: tuple[int, ...] = ()
+        self.lossy: str | None = None
+        self.failure: str | None = None
+        self._schedules: dict[tuple[bool, bool], Any] = {}
+        self._run(keep_inputs, constants)
+
+    # --- the closure ----------------------------------------------------------------------------
+
+    def _needs_vjp(self) -> list[bool]:
+        reach = {v for v in self.jaxpr.outvars if is_var(v) and is_float(v.aval)}
+        out = [False] * len(self.eqns)
+        for i in reversed(range(len(self.eqns))):
+            e = self.eqns[i]
+            floats = [a for a in e.invars if is_var(a) and is_float(a.aval)]
+            if floats and any(is_var(v) and v in reach for v in e.outvars):
+                out[i] = True
+                reach.update(floats)
+        return out
+
+    def _fire(self, i: int, known: dict, lossy_now: bool) -> list[core.Var]:
+        """Applies the forward or the inverse rule to equation ``i``; returns new values.
+
+        An inversion that needs a run-time check is only taken when ``lossy_now`` (the closure
+        found nothing exact to do), so a value that can also be recomputed is recomputed.
+        """
+        eqn = self.eqns[i]
+        outs = [v for v in eqn.outvars if is_var(v)]
+        if any(v not in known for v in outs):
+            if all(a in known for a in eqn.invars if is_var(a)):
+                d = Derivation("forward", i)
+                new = [v for v in outs if v not in known]
+                known.update((v, d) for v in new)
+                return new
+            return []
+        rule = self.rules[i]
+        if rule is None or len(outs) != len(eqn.outvars):  # no rule, or a dropped output
+            return []
+        unknown = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and a not in known)
+        if not unknown:
+            return []
+        verdict = self._verdict(i, unknown)
+        if verdict.reason is not None:
+            return []
+        if verdict.lossy is not None and not lossy_now:
+            self.deferred.add(i)
+            return []
+        values = [eqn.invars[p] for p in unknown]
+        d = Derivation("inverse", i, unknown, verdict)
+        known.update((v, d) for v in values)
+        return values
+
+    def _verdict(self, i: int, unknown: tuple[int, ...]) -> Assessment:
+        """The rule's verdict on rebuilding ``unknown`` of equation ``i`` (cached)."""
+        key = (i, unknown)
+        if key not in self.verdicts:
+            eqn = self.eqns[i]
+            values = [eqn.invars[p] for p in unknown]
+            if len(set(values)) != len(values):
+                verdict = Assessment(
+                    "the same unknown value is several of its operands (like x * x), so its "
+                    "output does not determine it"
+                )
+            else:
+                verdict = self.rules[i].assess(self, eqn, unknown)
+            if verdict.reason is None and verdict.lossy is not None and not self.lossy_ok:
+                verdict = dataclasses.replace(
+                    verdict, reason=f"its inverse is not exact for every value ({verdict.lossy})"
+                )
+            self.verdicts[key] = verdict
+        return self.verdicts[key]
+
+    def _close(self, known: dict, start: Sequence[int]) -> None:
+        queue, queued = deque(start), set(start)
+        self.deferred = set()
+        while True:
+            while queue:
+                i = queue.popleft()
+                queued.discard(i)
+                for v in self._fire(i, known, lossy_now=False):
+                    for j in self.touching.get(v, ()):
+                        if j not in queued:
+                            queued.add(j)
+                            queue.append(j)
+            # Nothing exact is left: take one checked inversion (the latest), then go on.
+            new = []
+            for i in sorted(self.deferred, reverse=True):
+                self.deferred.discard(i)
+                new = self._fire(i, known, lossy_now=True)
+                if new:
+                    break
+            if not new:
+                return
+            queue.extend(j for v in new for j in self.touching.get(v, ()) if j not in queued)
+            queued.update(queue)
+
+    def _touching_all(self, vs) -> list[int]:
+        return sorted({j for v in vs for j in self.touching.get(v, ())}, reverse=True)
+
+    def _run(self, keep_inputs: bool, constants: int) -> None:
+        invars = self.jaxpr.invars
+        given = Derivation("given")
+        known: dict[core.Var, Derivation] = {}
+        known.update((v, given) for v, k in zip(invars, self.known_in, strict=True) if k)
+        known.update(
+            (v, given)
+            for v, k in zip(self.jaxpr.outvars, self.known_out, strict=True)
+            if k and is_var(v)
+        )
+        wanted = set(self.required)
+        if not keep_inputs:  # a body: the caller wants its unknown inputs back
+            wanted.update(v for v, k in zip(invars, self.known_in, strict=True) if not k)
+        kept: list[int] = []
+        if keep_inputs:
+            reach = linked(self.jaxpr)
+            for p, v in enumerate(invars):
+                if v in known or v not in self.touching:
+                    continue
+                if p < constants or v not in reach:
+                    kept.append(p)
+                    known[v] = given
+        self.must_keep = tuple(kept)  # weights and constants: no rule could rebuild them
+        self._close(known, list(reversed(range(len(self.eqns)))))
+        while keep_inputs and not wanted <= known.keys():
+            best = None
+            for p, v in enumerate(invars):
+                if v in known or v not in self.touching:
+                    continue
+                trial = dict(known)
+                trial[v] = given
+                self._close(trial, self._touching_all([v]))
+                score = (-len(wanted & trial.keys()), nbytes(v.aval), p)
+                if best is None or score < best[0]:
+                    best = (score, p, trial)
+            if best is None:
+                break
+            kept.append(best[1])
+            known = best[2]
+        self.known, self.kept = known, tuple(sorted(kept))
+        missing = wanted - known.keys()
+        if missing:
+            self.failure = self._why(missing)
+            return
+        self.data_kept = self._data_kept()
+        self.lossy = next(
+            (
+                d.assessment.lossy
+                for d in known.values()
+                if d.kind == "inverse" and d.assessment.lossy is not None
+            ),
+            None,
+        )
+
+    def _data_kept(self) -> tuple[int, ...]:
+        """Kept inputs that are data, not weights: none of the values recomputed from them is a
+        known operand of an inversion (a weight's ``F(x2)`` helps rebuild ``x1``; ``x1`` hidden
+        by ``sin(x1 + F(x2))``, or ``x`` in ``exp(x) * x``, only feeds VJPs). Report only."""
+        helpers = set()  # known operands of the inversions
+        consumers: dict[core.Var, list[int]] = {}
+        for d in set(self.known.values()):
+            if d.kind == "inverse":
+                eqn = self.eqns[d.eqn]
+                helpers.update(
+                    a for p, a in enumerate(eqn.invars) if is_var(a) and p not in d.unknown
+                )
+            elif d.kind == "forward":
+                for a in self.eqns[d.eqn].invars:
+                    if is_var(a):
+                        consumers.setdefault(a, []).append(d.eqn)
+        data = []
+        for p in self.kept:
+            seen, stack = set(), [self.jaxpr.invars[p]]
+            while stack and not (seen & helpers):
+                v = stack.pop()
+                if v in seen:
+                    continue
+                seen.add(v)
+                for i in consumers.get(v, ()):
+                    stack.extend(w for w in self.eqns[i].outvars if is_var(w))
+            if not seen & helpers:
+                data.append(p)
+        return tuple(data)
+
+    def _why(self, missing: set) -> str:
+        """Why the latest equation needing a missing value cannot get it."""
+        for i in reversed(range(len(self.eqns))):
+            eqn = self.eqns[i]
+            if not any(is_var(a) and a in missing for a in (*eqn.invars, *eqn.outvars)):
+                continue
+            reasons = [a.reason for (j, _), a in self.verdicts.items() if j == i and a.reason]
+            if reasons:
+                reason = reasons[0]
+            elif self.rules[i] is None:
+                reason = f"`{eqn.primitive.name}` has no registered inverse"
+            else:
+                reason = "its outputs are not all known"
+            return f"`{display(eqn)}` at {where(eqn)}: {reason}"
+        p = next(p for p, v in enumerate(self.jaxpr.invars) if v in missing)
+        return f"operand {p} does not reach any output"
+
+    # --- nested bodies --------------------------------------------------------------------------
+
+    def nested(self, jaxpr: core.Jaxpr, known_in, known_out) -> Analysis | str:
+        """The analysis of a call's or scan's body (no inputs kept), or why it fails; cached."""
+        key = (id(jaxpr), tuple(known_in), tuple(known_out), self.lossy_ok)
+        if key not in self.cache:
+            live = dce(jaxpr, known_out)
+            sub = Analysis(
+                live,
+                known_in,
+                known_out,
+                keep_inputs=False,
+                lossy_ok=self.lossy_ok,
+                cache=self.cache,
+            )
+            self.cache[key] = (jaxpr, sub.failure or sub)  # holds jaxpr: its id() stays unique
+        return self.cache[key][1]
+
+    def schedule(self, want_cts: bool, want_inputs: bool):
+        """The walk over this analysis (built once per kind): with cotangents, and/or
+        rebuilding the unknown inputs."""
+        from remat_nn.invertible._walk import build_schedule
+
+        key = (want_cts, want_inputs)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(self, want_cts, want_inputs)
+        return self._schedules[key]
+
+
+def analyze(jaxpr: core.Jaxpr, *, lossy_ok: bool, num_constants: int = 0) -> Analysis:
+    """The top-level analysis: every input may be kept, every output is known.
+
+    The first ``num_constants`` inputs are closed-over constants: always kept (they cost
+    nothing), never rebuilt.
+    """
+    return Analysis(
+        jaxpr,
+        (False,) * len(jaxpr.invars),
+        (True,) * len(jaxpr.outvars),
+        keep_inputs=True,
+        lossy_ok=lossy_ok,
+        cache={},
+        constants=num_constants,
+    )

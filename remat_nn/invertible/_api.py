@@ -1,0 +1,340 @@
+"""``rn.invertible``: trace once per signature, analyse, and wrap the walk in a ``custom_vjp``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from remat_nn._jax_internals import core, pe
+from remat_nn.invertible._analysis import Analysis, analyze
+from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
+from remat_nn.invertible._walk import execute, raise_failed_check
+
+__all__ = ["Invertible", "invertible"]
+
+_FALLBACKS = ("error", "recompute")
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    # Like jax.jit: arrays and Python scalars are traced; anything else is a static leaf.
+    return isinstance(
+        leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
+    )
+
+
+@dataclasses.dataclass
+class Traced:
+    """One signature of the function: its jaxpr, the analysis and the differentiable runner."""
+
+    jaxpr: core.Jaxpr  # constvars turned into leading invars, dead code removed
+    consts: list[Any]  # values of the hoisted constants (closed-over arrays)
+    names: list[str]  # a readable name per jaxpr input
+    dyn_index: list[int]  # positions of the traced leaves among the flat arguments
+    out_tree: Any
+    analysis: Analysis
+    run: Callable | None = None  # the custom_vjp over (consts, traced leaves)
+
+
+def _arg_name(path: str) -> str:
+    # "[0][1]['w']" -> "args[1]['w']", "[1]['scale']" -> "kwargs['scale']"
+    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+
+
+def _signature_key(treedef, leaves, dyn_index) -> Any:
+    """What a trace depends on: the tree, the static leaves and the types of the traced ones."""
+    dyn = set(dyn_index)
+    static = tuple(leaf for i, leaf in enumerate(leaves) if i not in dyn)
+    types = tuple(jax.typeof(leaves[i]) for i in dyn_index)
+    return (treedef, static, types)
+
+
+def _trace(fun: Callable, args: tuple, kwargs: dict, *, lossy_ok: bool) -> Traced:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in leaves_with_path]
+    dyn_index = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+    store = {}
+
+    def flat_fun(*dyn):
+        full = list(leaves)
+        for i, d in zip(dyn_index, dyn, strict=True):
+            full[i] = d
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fun)(*[leaves[i] for i in dyn_index])
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = dce(jaxpr, [True] * len(jaxpr.outvars))
+    names = [f"closed-over constant {k}" for k in range(len(closed.consts))]
+    names += [_arg_name(jax.tree_util.keystr(leaves_with_path[i][0])) for i in dyn_index]
+    analysis = analyze(jaxpr, lossy_ok=lossy_ok, num_constants=len(closed.consts))
+    return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis)
+
+
+def _as_custom_vjp(analysis: Analysis) -> Callable:
+    jaxpr = analysis.jaxpr
+    float_in = [is_float(v.aval) for v in jaxpr.invars]
+
+    @jax.custom_vjp
+    def run(*ins):
+        return eval_jaxpr(jaxpr, ins)[0]
+
+    def fwd(*ins):
+        outs = eval_jaxpr(jaxpr, ins)[0]
+        # Residuals: the outputs (the same buffers as the primal result) and the inputs the walk
+        # keeps (weights, constants, or inputs no output determines); never an intermediate.
+        return outs, (outs, [ins[p] for p in analysis.kept])
+
+    def bwd(res, cts):
+        outs, kept = res
+        invals: list[Any] = [None] * len(jaxpr.invars)
+        for p, x in zip(analysis.kept, kept, strict=True):
+            invals[p] = x
+        _, in_cts, code = execute(analysis, invals, outs, list(cts), want_inputs=False)
+        if code is not None:
+            jax.debug.callback(raise_failed_check, code)
+        return tuple(c if f else None for c, f in zip(in_cts, float_in, strict=True))
+
+    bwd.invertible_block = getattr(jaxpr.debug_info, "func_name", "?")  # seen by the report
+    run.defvjp(fwd, bwd)
+    return run
+
+
+class Invertible:
+    """A function whose VJP rebuilds its intermediates from its outputs.
+
+    Made by :func:`invertible`; call it like the wrapped function. Each signature (the static
+    arguments, the tree and the types of the array arguments) is traced and analysed once.
+    """
+
+    def __init__(
+        self,
+        fun: Callable,
+        fallback: str,
+        static_argnums: tuple[int, ...],
+        static_argnames: tuple[str, ...],
+        named: frozenset[int] = frozenset(),
+    ):
+        functools.update_wrapper(self, fun)
+        self.fun, self.fallback = fun, fallback
+        self.static_argnums, self.static_argnames = static_argnums, static_argnames
+        self._named = named  # static positions that are named parameters (may come by keyword)
+        self._cache: dict[Any, Traced] = {}
+
+    def _split(self, args: tuple, kwargs: dict):
+        """(dynamic args, dynamic kwargs, a function of those closing over the static ones)."""
+        n = len(args)
+        # A static parameter passed by keyword leaves its position out of range: that is fine.
+        bad = [k for k in self.static_argnums if not -n <= k < n and k not in self._named]
+        if bad:
+            raise ValueError(
+                f"{self!r}: static_argnums {bad} out of range for {n} positional arguments. "
+                "Fix: pass those arguments positionally, or list them in static_argnames."
+            )
+        static_pos = {k % n for k in self.static_argnums if -n <= k < n}
+        static_args = {i: args[i] for i in static_pos}
+        static_kw = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        for where_, value in [*static_args.items(), *static_kw.items()]:
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"{self!r}: static argument {where_!r} must be hashable (it keys the trace "
+                    f"cache), got {type(value).__name__}. Fix: pass a tuple instead of a list, or "
+                    "make it a traced array argument."
+                ) from None
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+        if not static_args and not static_kw:
+            return dyn_args, dyn_kwargs, self.fun, ()
+
+        def bound(*dyn, **kw):
+            it = iter(dyn)
+            full = [static_args[i] if i in static_pos else next(it) for i in range(n)]
+            return self.fun(*full, **kw, **static_kw)
+
+        return (
+            dyn_args,
+            dyn_kwargs,
+            bound,
+            (tuple(sorted(static_args.items())), tuple(sorted(static_kw.items()))),
+        )
+
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """The (cached) trace and analysis of this call signature."""
+        dyn_args, dyn_kwargs, fun, static_key = self._split(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        dyn_index = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+        try:
+            key = (static_key, _signature_key(treedef, leaves, dyn_index))
+            hash(key)
+        except TypeError:  # an unhashable static leaf: trace every time
+            key = None
+        if key is not None and key in self._cache:
+            return self._cache[key]
+        traced = _trace(fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error")
+        traced.run = _as_custom_vjp(traced.analysis)
+        # Like jax.jit, closed-over arrays are captured at the first trace; a trace that closed
+        # over another transformation's tracers is not reused.
+        if key is not None and not any(isinstance(c, core.Tracer) for c in traced.consts):
+            self._cache[key] = traced
+        return traced
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        traced = self.trace(*args, **kwargs)
+        dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
+        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        outs = traced.run(*traced.consts, *[leaves[i] for i in traced.dyn_index])
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    def reconstruct(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Rebuilds the array arguments from the outputs, as the backward pass does.
+
+        Runs ``fun`` forward, then the walk without cotangents, from the outputs and the inputs
+        the forward keeps. Compare the result with the arguments to check that ``fun`` really
+        is reconstructed (run-time checks apply, as in the backward).
+
+        Returns:
+          ``(args, kwargs)`` as passed, static arguments left out, array leaves rebuilt.
+
+        >>> import jax.numpy as jnp, remat_nn as rn
+        >>> f = rn.invertible(lambda x, w: (x + jnp.tanh(w)) * 2.0)
+        >>> (x, w), _ = f.reconstruct(jnp.arange(3.0), jnp.ones(3))
+        >>> x
+        Array([0., 1., 2.], dtype=float32)
+        """
+        traced = self.trace(*args, **kwargs)
+        dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        analysis = traced.analysis
+        ins = list(traced.consts) + [leaves[i] for i in traced.dyn_index]
+        outs = eval_jaxpr(analysis.jaxpr, ins)[0]
+        kept = set(analysis.kept)
+        invals = [x if p in kept else None for p, x in enumerate(ins)]
+        rebuilt, _, code = execute(analysis, invals, outs, None, want_inputs=True)
+        if code is not None:
+            jax.debug.callback(raise_failed_check, code)
+        for i, x in zip(traced.dyn_index, rebuilt[len(traced.consts) :], strict=True):
+            leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", repr(self.fun))
+        return f"rn.invertible({name}, fallback={self.fallback!r})"
+
+
+def _normalize_static(fun: Callable, static_argnums, static_argnames):
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return nums, names, frozenset()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # As in jax.jit: a static name also makes its position static and vice versa.
+    nums = tuple(sorted(set(nums) | {positional.index(n) for n in names if n in positional}))
+    names = tuple(sorted(set(names) | {positional[k] for k in nums if 0 <= k < len(positional)}))
+    known = {p.name for p in params}
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
+    unknown = [n for n in names if n not in known]
+    if unknown and not takes_kwargs:
+        raise ValueError(
+            f"rn.invertible: static_argnames {unknown} are not parameters of "
+            f"{getattr(fun, '__name__', fun)} (it takes {sorted(known)})."
+        )
+    named = frozenset(k for k in nums if 0 <= k < len(positional))
+    return nums, names, named
+
+
+def invertible(
+    fun: Callable | None = None,
+    *,
+    fallback: str = "error",
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Any:
+    """Makes ``fun``'s VJP rebuild its intermediates from its outputs instead of storing them.
+
+    The forward pass stores ``fun``'s outputs and the inputs the reverse walk keeps: the ones no
+    inverse rule could rebuild (for a coupling ``y1 = x1 + F(x2); y2 = x2 + G(y1)``: ``F``'s and
+    ``G``'s weights, which the caller keeps alive anyway) and, only where the outputs do not
+    determine everything, the fewest further inputs (``exp(x) * x``: ``x``). It never stores an
+    intermediate. The backward pass walks ``fun``'s jaxpr from the last equation to the first,
+    rebuilding each equation's operands from its outputs (or recomputing them from known values)
+    just before taking that equation's VJP, so a stack of N couplings costs the activation memory
+    of one. Gradients equal plain autodiff up to float round-off in the reconstruction.
+
+    Wrap the whole stack once (or a ``lax.scan`` over the blocks): each call stores its outputs,
+    so ``rn.invertible(block)`` called per block stores every block's output, like no remat.
+    ``rn.inversion_report`` of the calling function flags that use.
+
+    Works under ``jit``, ``vmap``, ``grad``, ``lax.scan`` and ``jax.checkpoint``; takes pytrees,
+    several inputs and outputs, keyword arguments, typed PRNG keys and static arguments; arrays
+    ``fun`` closes over are hoisted into inputs and get gradients too. Each signature is traced
+    and analysed once (closed-over arrays are captured then, as by ``jax.jit``).
+
+    Args:
+      fun: the function to invert, mapping arrays (pytrees) to arrays. Its path from inputs
+        to outputs should use invertible primitives (add, sub, mul/div by a known value,
+        exp/log, reshape, concatenate/split, ..., ``scan`` of an invertible body, ``custom_ivjp``
+        functions, or ones added with ``rn.register_inverse``); side computations (``F(x2)``)
+        may use anything. What cannot be inverted is recomputed from kept inputs.
+      fallback: how to treat inversions that floating point can break (division by a known
+        operand that may hold 0, ``log`` of an ``exp`` that may have underflowed):
+        ``"error"`` (default) inverts and checks the values at run time, stopping with an error
+        naming the primitive and line if information was lost (never a non-finite gradient);
+        ``"recompute"`` never uses them, keeping the input instead and recomputing.
+      static_argnums: positions of arguments that are Python values (``train=True``), not
+        traced; they must be hashable. As in ``jax.jit``.
+      static_argnames: names of such arguments.
+
+    Returns:
+      An :class:`Invertible` callable with ``fun``'s signature, or a decorator if ``fun`` is
+      omitted (``@rn.invertible(static_argnames="train")``).
+
+    Raises:
+      ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, or a static argument is
+        out of range.
+      TypeError: ``fun`` is not callable, or a static argument is not hashable.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> @rn.invertible
+    ... def coupling(x1, x2, w):
+    ...     y1 = x1 + jnp.tanh(x2 @ w)
+    ...     y2 = x2 + jnp.tanh(y1 @ w)
+    ...     return y1, y2
+    >>> x, w = jnp.ones((2, 3)), 0.1 * jnp.eye(3)
+    >>> loss = lambda x1, x2, w: sum(y.sum() for y in coupling(x1, x2, w))
+    >>> jax.grad(loss, argnums=(0, 2))(x, x, w)[0].shape
+    (2, 3)
+
+    References:
+      Gomez et al. 2017, "The Reversible Residual Network: Backpropagation Without Storing
+      Activations". JAX's removed ``jax.invertible`` (it handled four primitives, still stored
+      its inputs, and could not be jitted with custom rules: jax#8686).
+    """
+    if fallback not in _FALLBACKS:
+        raise ValueError(
+            f"rn.invertible: argument `fallback` must be one of {_FALLBACKS}, got {fallback!r}. "
+            'Fix: rn.invertible(f, fallback="recompute") to recompute instead of a checked '
+            "inversion."
+        )
+    if fun is None:
+        return functools.partial(
+            invertible,
+            fallback=fallback,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+        )
+    if not callable(fun):
+        raise TypeError(
+            f"rn.invertible: argument `fun` must be callable, got {type(fun).__name__} {fun!r}."
+        )
+    nums, names, named = _normalize_static(fun, static_argnums, static_argnames)
+    return Invertible(fun, fallback, nums, names, named)

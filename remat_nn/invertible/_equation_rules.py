@@ -1,0 +1,369 @@
+"""Equation rules: how each kind of equation is inverted, behind one Protocol.
+
+A primitive with a registered :class:`PrimitiveRule` is inverted by it (``SimpleRule``). Call-like
+equations recurse: ``jit`` / ``closed_call`` / ``checkpoint`` bodies are walked (reconstruction
+and cotangents together), ``custom_jvp`` / ``custom_vjp`` bodies are walked to reconstruct, then
+differentiated with their own rules, a ``scan`` is undone by a reverse scan of its body's walk
+(memory flat in its length) and a ``custom_ivjp`` call uses its user rule for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.extend.core.primitives as prims
+import jax.numpy as jnp
+from jax import lax
+
+from remat_nn._jax_internals import (
+    core,
+    custom_jvp_call_p,
+    custom_vjp_call_p,
+    hi_kind,
+    jit_p,
+    remat_p,
+    scan_p,
+)
+from remat_nn.invertible import _primitive_rules
+from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
+
+if TYPE_CHECKING:
+    from remat_nn.invertible._analysis import Analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class Assessment:
+    """Whether a set of unknown operands can be reconstructed from the equation's outputs."""
+
+    reason: str | None = None  # why not, or None: it can
+    sub: Any = None  # the nested Analysis of a rule that walks a body
+    lossy: str | None = None  # why the inversion needs a run-time exactness check
+
+
+class EquationRule(Protocol):
+    """How one kind of equation is inverted (and, for ``fused`` rules, differentiated)."""
+
+    fused: bool  # run() also returns the operands' cotangents
+
+    def reconstructs(self, eqn: core.JaxprEqn, position: int) -> bool:
+        """Whether operand ``position`` can ever be rebuilt from the outputs."""
+        ...
+
+    def assess(
+        self, analysis: Analysis, eqn: core.JaxprEqn, unknown: tuple[int, ...]
+    ) -> Assessment:
+        """Can the operands at ``unknown`` be rebuilt, all outputs and other operands known?"""
+        ...
+
+    def run(
+        self,
+        eqn: core.JaxprEqn,
+        assessment: Assessment,
+        ins: list[Any],
+        outs: list[Any],
+        couts: list[Any] | None,
+    ) -> tuple[list[Any], list[Any] | None, Any]:
+        """Returns (all operands, their cotangents or None, failed-check code or None).
+
+        ``ins`` has ``None`` at the operands to rebuild; ``couts`` is None to only rebuild.
+        """
+        ...
+
+
+class SimpleRule:
+    """A registered primitive rule: rebuild the operand; the walk takes the VJP separately."""
+
+    fused = False
+
+    def __init__(self, rule: _primitive_rules.PrimitiveRule):
+        self.rule = rule
+
+    def reconstructs(self, eqn, position):
+        del eqn
+        return self.rule.reconstructs(position)
+
+    def assess(self, analysis, eqn, unknown):
+        del analysis
+        avals = [a.aval for a in eqn.invars]
+        reason = self.rule.why_not(eqn.params, avals, unknown)
+        if reason is not None:
+            return Assessment(reason)
+        constants = [
+            a.val
+            if isinstance(a, core.Literal)
+            else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
+            for a in eqn.invars
+        ]
+        return Assessment(lossy=self.rule.lossy(constants, unknown))
+
+    def run(self, eqn, assessment, ins, outs, couts):
+        del couts
+        holes = tuple(p for p, x in enumerate(ins) if x is None)
+        invals = [
+            jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) if x is None else x
+            for a, x in zip(eqn.invars, ins, strict=True)
+        ]
+        new = list(self.rule.inverse(invals, list(outs), **eqn.params))
+        if len(new) != len(ins):
+            raise TypeError(
+                f"rn.invertible: the inverse rule of `{eqn.primitive.name}` returned {len(new)} "
+                f"inputs, expected {len(ins)} (all inputs, known ones passed through)."
+            )
+        for p in holes:
+            aval, got = eqn.invars[p].aval, core.typeof(new[p])
+            if got.shape != aval.shape or got.dtype != aval.dtype:
+                raise TypeError(
+                    f"rn.invertible: the inverse rule of `{eqn.primitive.name}` reconstructed "
+                    f"operand {p} as {aval_str(got)}, expected {aval_str(aval)}."
+                )
+        ok = None
+        if assessment.lossy is not None:
+            ok = self.rule.guard.ok(invals, list(outs), new, holes, **eqn.params)
+        return [new[p] if x is None else x for p, x in enumerate(ins)], None, ok
+
+
+class CallRule:
+    """A call: its body is walked. ``fused`` bodies give cotangents too; own-derivative ones
+    (custom_jvp / custom_vjp) only rebuild, and the walk differentiates the call itself."""
+
+    def __init__(self, body: Callable[[core.JaxprEqn], Any], *, fused: bool):
+        self.body, self.fused = body, fused
+
+    def reconstructs(self, eqn, position):
+        inner, consts = open_jaxpr(self.body(eqn))
+        return input_rebuildable(inner, len(consts) + position)
+
+    def assess(self, analysis, eqn, unknown):
+        inner, consts = open_jaxpr(self.body(eqn))
+        num_consts = len(consts)
+        known_in = (True,) * num_consts + tuple(p not in unknown for p in range(len(eqn.invars)))
+        sub = analysis.nested(inner, known_in, (True,) * len(inner.outvars))
+        if isinstance(sub, str):
+            return Assessment(f"its body cannot be inverted: {sub}")
+        return Assessment(sub=sub, lossy=sub.lossy)
+
+    def run(self, eqn, assessment, ins, outs, couts):
+        from remat_nn.invertible._walk import execute
+
+        _, consts = open_jaxpr(self.body(eqn))
+        num_consts = len(consts)
+        want = couts if self.fused else None
+        rebuilt, inner_cts, code = execute(assessment.sub, consts + list(ins), outs, want)
+        cts = inner_cts[num_consts:] if inner_cts is not None else None
+        return rebuilt[num_consts:], cts, code
+
+
+class ScanRule:
+    """A ``scan`` of an invertible body: a reverse scan that rebuilds and differentiates one
+    iteration at a time (memory flat in the scan length)."""
+
+    fused = True
+
+    def reconstructs(self, eqn, position):
+        num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        if position < num_consts + num_carry:
+            return position >= num_consts
+        inner, body_consts = open_jaxpr(eqn.params["jaxpr"])
+        return input_rebuildable(inner, len(body_consts) + position)
+
+    def assess(self, analysis, eqn, unknown):
+        num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        if any(p < num_consts for p in unknown):
+            return Assessment("its loop-invariant operands (weights) must be known first")
+        inner, body_consts = open_jaxpr(eqn.params["jaxpr"])
+        xs_known = tuple(p not in unknown for p in range(num_consts + num_carry, len(eqn.invars)))
+        known_in = (True,) * (len(body_consts) + num_consts) + (False,) * num_carry + xs_known
+        sub = analysis.nested(inner, known_in, (True,) * len(inner.outvars))
+        if isinstance(sub, str):
+            return Assessment(f"its body cannot be inverted: {sub}")
+        return Assessment(sub=sub, lossy=sub.lossy)
+
+    def run(self, eqn, assessment, ins, outs, couts):
+        from remat_nn.invertible._walk import combine_codes, execute
+
+        prm = eqn.params
+        num_consts, num_carry = prm["num_consts"], prm["num_carry"]
+        _, body_consts = open_jaxpr(prm["jaxpr"])
+        num_body_consts = len(body_consts)
+        consts, xs = list(ins[:num_consts]), list(ins[num_consts + num_carry :])
+        carry_avals = [a.aval for a in eqn.invars[num_consts : num_consts + num_carry]]
+        xs_avals = [a.aval for a in eqn.invars[num_consts + num_carry :]]
+        const_avals = [a.aval for a in eqn.invars[:num_consts]]
+        ys = list(outs[num_carry:])
+        xs_known = [x is not None for x in xs]
+        want_cts = couts is not None
+        checked = assessment.lossy is not None
+
+        def ct_or_zeros(c, aval):
+            if not is_float(aval):
+                return None
+            return c if c is not None else jnp.zeros(aval.shape, aval.dtype)
+
+        if want_cts:
+            ct_carry = [
+                ct_or_zeros(c, a) for c, a in zip(couts[:num_carry], carry_avals, strict=True)
+            ]
+            ct_ys = [
+                ct_or_zeros(c, core.typeof(y)) for c, y in zip(couts[num_carry:], ys, strict=True)
+            ]
+            ct_consts = [ct_or_zeros(None, a) for a in const_avals]
+        else:
+            ct_carry, ct_ys, ct_consts = None, None, None
+        code0 = jnp.zeros((), jnp.int32) if checked else None
+
+        def body(state, per_iter):
+            carry, ct_c, ct_k, code = state
+            y, ct_y, x = per_iter
+            inner_in = (
+                body_consts
+                + consts
+                + [None] * num_carry
+                + [v if k else None for v, k in zip(x, xs_known, strict=True)]
+            )
+            rebuilt, inner_cts, inner_code = execute(
+                assessment.sub,
+                inner_in,
+                list(carry) + list(y),
+                None if ct_c is None else list(ct_c) + list(ct_y),
+            )
+            code = combine_codes(code, inner_code)
+            rebuilt = rebuilt[num_body_consts:]
+            new_carry = rebuilt[num_consts : num_consts + num_carry]
+            x_rec = [
+                r if not k else None
+                for r, k in zip(rebuilt[num_consts + num_carry :], xs_known, strict=True)
+            ]
+            if ct_c is None:
+                return (new_carry, None, None, code), (x_rec, None)
+            inner_cts = inner_cts[num_body_consts:]
+            carry_cts = inner_cts[num_consts : num_consts + num_carry]
+            new_ct_c = [ct_or_zeros(c, a) for c, a in zip(carry_cts, carry_avals, strict=True)]
+            new_ct_k = [
+                None if k is None else (k if c is None else k + c)
+                for k, c in zip(ct_k, inner_cts[:num_consts], strict=True)
+            ]
+            ct_x = [
+                ct_or_zeros(c, a)
+                for c, a in zip(inner_cts[num_consts + num_carry :], xs_avals, strict=True)
+            ]
+            return (new_carry, new_ct_c, new_ct_k, code), (x_rec, ct_x)
+
+        init = (list(outs[:num_carry]), ct_carry, ct_consts, code0)
+        per_iter = (ys, ct_ys, [x if k else None for x, k in zip(xs, xs_known, strict=True)])
+        (carry0, ct_c0, ct_k, code), (x_rec, ct_x) = lax.scan(
+            body, init, per_iter, length=prm["length"], reverse=not prm["reverse"]
+        )
+        new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]
+        rebuilt = consts + list(carry0) + new_xs
+        if not want_cts:
+            return rebuilt, None, code
+        return rebuilt, list(ct_k) + list(ct_c0) + list(ct_x), code
+
+
+class IVJPRule:
+    """A ``custom_ivjp`` call: its user rule gives both the inputs and their cotangents."""
+
+    fused = True
+
+    def reconstructs(self, eqn, position):
+        num_consts = ivjp_num_consts(eqn)
+        return position >= num_consts and not ivjp_bwd(eqn).known_mask[position - num_consts]
+
+    def assess(self, analysis, eqn, unknown):
+        del analysis
+        if not all(self.reconstructs(eqn, p) for p in unknown):
+            return Assessment("its rule needs the known_argnums arguments (and constants) known")
+        return Assessment()
+
+    def run(self, eqn, assessment, ins, outs, couts):
+        del assessment
+        bwd = ivjp_bwd(eqn)
+        num_consts = ivjp_num_consts(eqn)
+        dys = None
+        if couts is not None:
+            dys = [
+                c if c is not None else zeros_ct(core.typeof(o))
+                for c, o in zip(couts, outs, strict=True)
+            ]
+        xs, dxs = bwd.apply(list(ins[num_consts:]), list(outs), dys)
+        cts = [None] * num_consts + dxs if couts is not None else None
+        return list(ins[:num_consts]) + xs, cts, None
+
+
+# --- which rule an equation gets -----------------------------------------------------------------
+
+
+def ivjp_bwd(eqn: core.JaxprEqn) -> Any:
+    """The custom_ivjp backward object of a custom_vjp equation, or None."""
+    if eqn.primitive is custom_vjp_call_p:
+        bwd = getattr(eqn.params["bwd"], "f", eqn.params["bwd"])
+    elif hi_kind(eqn) == "custom_vjp":
+        bwd = eqn.params["_prim"].bwd
+    else:
+        return None
+    return bwd if getattr(bwd, "is_custom_ivjp", False) else None
+
+
+def ivjp_num_consts(eqn: core.JaxprEqn) -> int:
+    return eqn.params.get("num_consts", 0) if eqn.primitive is custom_vjp_call_p else 0
+
+
+def linked(jaxpr: core.Jaxpr) -> set[core.Var]:
+    """Values joined to the outputs by a chain of operand positions some rule rebuilds.
+
+    Only these can ever be reconstructed: an input outside the set (a weight that feeds only
+    ``dot_general`` / ``tanh``, even through a ``squeeze``) must be kept.
+    """
+    reach = {v for v in jaxpr.outvars if is_var(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if not eqn.outvars or not all(is_var(v) and v in reach for v in eqn.outvars):
+            continue
+        rule = rule_for(eqn)
+        if rule is not None:
+            reach.update(
+                a for p, a in enumerate(eqn.invars) if is_var(a) and rule.reconstructs(eqn, p)
+            )
+    return reach
+
+
+def input_rebuildable(jaxpr: core.Jaxpr, position: int) -> bool:
+    """Whether input ``position`` of a body could ever be rebuilt from its outputs."""
+    return jaxpr.invars[position] in linked(jaxpr)
+
+
+def _custom_vjp3_body(eqn: core.JaxprEqn) -> Any:
+    return eqn.params["_prim"].traced.jaxpr
+
+
+_CALLS: dict[Any, EquationRule] = {
+    jit_p: CallRule(lambda e: e.params["jaxpr"], fused=True),
+    core.closed_call_p: CallRule(lambda e: e.params["call_jaxpr"], fused=True),
+    remat_p: CallRule(lambda e: e.params["jaxpr"], fused=True),
+    custom_jvp_call_p: CallRule(lambda e: e.params["call_jaxpr"], fused=False),
+    custom_vjp_call_p: CallRule(lambda e: e.params["call_jaxpr"], fused=False),
+}
+_HI: dict[str, EquationRule] = {
+    "remat": CallRule(lambda e: e.params["_prim"].jaxpr, fused=True),
+    "custom_vjp": CallRule(_custom_vjp3_body, fused=False),
+}
+_SCAN, _IVJP = ScanRule(), IVJPRule()
+
+
+def rule_for(eqn: core.JaxprEqn) -> EquationRule | None:
+    """The rule that inverts ``eqn``, or None if it has none."""
+    if ivjp_bwd(eqn) is not None:
+        return _IVJP
+    kind = hi_kind(eqn)
+    if kind == "name":  # checkpoint_name under jax_remat3: the registry's rule for name_p
+        return SimpleRule(_primitive_rules.lookup(prims.name_p))
+    if kind is not None:
+        return _HI[kind]
+    if eqn.primitive in _CALLS:
+        return _CALLS[eqn.primitive]
+    if eqn.primitive is scan_p:
+        return _SCAN
+    rule = _primitive_rules.lookup(eqn.primitive)
+    return None if rule is None else SimpleRule(rule)

@@ -1,0 +1,233 @@
+"""The backward walk: rebuild values on demand, in lock-step with the cotangents.
+
+``build_schedule`` turns an :class:`Analysis` into a list of steps. With cotangents it visits the
+equations from last to first (so each one's output cotangents are complete when it is reached);
+before an equation's VJP it derives the operands it lacks by following their recorded
+derivations (reconstruct by an inverse rule, or recompute forward), and every value is freed
+after its last use, so only about one equation's working set is live. ``execute`` runs the steps.
+
+Inversions whose exactness depends on the values at hand (division by a known operand, ``log``
+of an ``exp``) run their rule's guard; the failed check with the lowest step is reported as an
+int32 code (0: all exact) that ``rn.invertible``'s backward turns into an error at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from remat_nn.invertible._analysis import Analysis, Derivation
+from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
+
+_CHECK_MESSAGES: list[str] = []  # check id - 1 -> the error text of a failed run-time check
+_CHECK_IDS: dict[str, int] = {}
+
+_FAILED_CHECK = """\
+rn.invertible: rebuilding an operand of `{prim}` at {where} from its output lost information at
+run time: {reason}. The gradient would not be finite or not be exact, so the step stops here.
+Fix: rn.invertible(f, fallback="recompute") keeps the input this value comes from and recomputes
+it instead of inverting `{prim}`; or give this part an explicit inverse with rn.custom_ivjp."""
+
+
+@dataclasses.dataclass
+class Step:
+    action: str  # "forward" | "inverse" | "fused" (inverse + cotangents) | "vjp"
+    eqn: int
+    derivation: Derivation | None = None  # inverse / fused: which operands, the rule's verdict
+    check: int = 0  # id of the run-time exactness check (0: none)
+    free: tuple = ()  # values dead after this step
+
+
+@dataclasses.dataclass
+class WalkSchedule:
+    """The steps of one walk over ``analysis.jaxpr``."""
+
+    analysis: Analysis
+    steps: list[Step]
+    vjp_cache: dict = dataclasses.field(default_factory=dict)  # see _jaxpr.eqn_vjp
+
+
+def _register_check(eqn, reason: str) -> int:
+    """The id of the check's error text (one id per distinct text: retracing adds none)."""
+    text = _FAILED_CHECK.format(prim=display(eqn), where=where(eqn), reason=reason)
+    if text not in _CHECK_IDS:
+        _CHECK_MESSAGES.append(text)
+        _CHECK_IDS[text] = len(_CHECK_MESSAGES)
+    return _CHECK_IDS[text]
+
+
+def build_schedule(analysis: Analysis, want_cts: bool, want_inputs: bool) -> WalkSchedule:
+    jaxpr, eqns, known = analysis.jaxpr, analysis.eqns, analysis.known
+    avail = {v for v, d in known.items() if d.kind == "given"}
+    inverse_of: dict[int, Derivation] = {}
+    for d in known.values():
+        if d.kind == "inverse":
+            inverse_of.setdefault(d.eqn, d)
+    steps: list[Step] = []
+
+    def deps(d: Derivation) -> list:
+        eqn = eqns[d.eqn]
+        if d.kind == "forward":
+            return [a for a in eqn.invars if is_var(a)]
+        return [v for v in eqn.outvars if is_var(v)] + [
+            a for p, a in enumerate(eqn.invars) if is_var(a) and p not in d.unknown
+        ]
+
+    def emit(d: Derivation, action: str) -> None:
+        eqn = eqns[d.eqn]
+        if d.kind == "forward":
+            steps.append(Step("forward", d.eqn))
+            avail.update(v for v in eqn.outvars if is_var(v))
+            return
+        lossy = d.assessment.lossy
+        check = _register_check(eqn, lossy) if lossy is not None else 0
+        steps.append(Step(action, d.eqn, d, check))
+        avail.update(eqn.invars[p] for p in d.unknown)
+
+    def ensure(v) -> None:
+        stack = [v]
+        while stack:
+            u = stack[-1]
+            if u in avail:
+                stack.pop()
+                continue
+            d = known[u]
+            missing = [w for w in deps(d) if w not in avail]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            emit(d, "inverse")
+
+    if want_cts:
+        for i in reversed(range(len(eqns))):
+            if not analysis.needs_vjp[i]:
+                continue
+            rule, d = analysis.rules[i], inverse_of.get(i)
+            if rule is not None and rule.fused and d is not None:
+                for w in deps(d):
+                    ensure(w)
+                emit(d, "fused")
+            else:
+                for a in eqns[i].invars:
+                    if is_var(a):
+                        ensure(a)
+                steps.append(Step("vjp", i))
+    if want_inputs:  # a body's caller (or a check) wants the unknown inputs back
+        for v in jaxpr.invars:
+            if v in analysis.touching or v in jaxpr.outvars:
+                ensure(v)
+
+    last: dict[Any, int] = {}
+    for k, step in enumerate(steps):
+        eqn = eqns[step.eqn]
+        for a in (*eqn.invars, *eqn.outvars):
+            if is_var(a):
+                last[a] = k
+    keep = set(jaxpr.invars)
+    frees: list[list] = [[] for _ in steps]
+    for v, k in last.items():
+        if v not in keep:
+            frees[k].append(v)
+    for step, free in zip(steps, frees, strict=True):
+        step.free = tuple(free)
+    return WalkSchedule(analysis, steps)
+
+
+def combine_codes(code: Any, new: Any) -> Any:
+    """The first failed check of two codes (0: none failed; None: nothing checked)."""
+    if new is None:
+        return code
+    if code is None:
+        return new
+    return jnp.where(code != 0, code, new)
+
+
+def _accumulate(ct: dict, v: Any, c: Any) -> None:
+    if c is None or jax.dtypes.result_type(c) == jax.dtypes.float0:
+        return
+    ct[v] = c if v not in ct else ct[v] + c
+
+
+def execute(
+    analysis: Analysis,
+    invals: list[Any],
+    outvals: list[Any],
+    out_cts: list[Any] | None,
+    *,
+    want_inputs: bool = True,
+) -> tuple[list[Any], list[Any] | None, Any]:
+    """Runs the walk of ``analysis``.
+
+    Args:
+      analysis: a successful analysis.
+      invals: the jaxpr's inputs, ``None`` where unknown (to rebuild).
+      outvals: its outputs.
+      out_cts: output cotangents (``None`` entries are zeros), or ``None`` to only rebuild.
+      want_inputs: rebuild every unknown input (a body's caller needs them; the top-level
+        backward does not).
+
+    Returns:
+      All inputs (rebuilt where they were ``None``), their cotangents (``None`` for zero; the
+      whole list ``None`` when ``out_cts`` is), and the failed-check code (None if unchecked).
+    """
+    want_cts = out_cts is not None
+    schedule = analysis.schedule(want_cts, want_inputs)
+    jaxpr, eqns = analysis.jaxpr, analysis.eqns
+    env: dict[Any, Any] = {v: x for v, x in zip(jaxpr.invars, invals, strict=True) if x is not None}
+    env.update(
+        (v, x) for v, x in zip(jaxpr.outvars, outvals, strict=True) if is_var(v) and x is not None
+    )
+    ct: dict[Any, Any] = {}
+    if want_cts:
+        for v, c in zip(jaxpr.outvars, out_cts, strict=True):
+            if is_var(v):
+                _accumulate(ct, v, c)
+    code = None
+    for step in schedule.steps:
+        eqn = eqns[step.eqn]
+        if step.action == "forward":
+            outs = eval_eqn(eqn, [read(env, a) for a in eqn.invars])
+            env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if is_var(v))
+        elif step.action in ("inverse", "fused"):
+            d = step.derivation
+            ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
+            outs = [env[v] for v in eqn.outvars]
+            couts = [ct.pop(v, None) for v in eqn.outvars] if step.action == "fused" else None
+            rule = analysis.rules[step.eqn]
+            rebuilt, in_cts, result = rule.run(eqn, d.assessment, ins, outs, couts)
+            for p in d.unknown:
+                env.setdefault(eqn.invars[p], rebuilt[p])
+            if result is not None and jnp.result_type(result) == np.bool_:
+                result = jnp.where(result, 0, step.check).astype(jnp.int32)
+            code = combine_codes(code, result)
+            for a, c in zip(eqn.invars, in_cts or (), strict=False):
+                if is_var(a):
+                    _accumulate(ct, a, c)
+        else:
+            couts = [ct.pop(v, None) if is_var(v) else None for v in eqn.outvars]
+            if any(c is not None for c in couts):
+                ins = [read(env, a) for a in eqn.invars]
+                for a, c in zip(
+                    eqn.invars, eqn_vjp(eqn, ins, couts, schedule.vjp_cache), strict=True
+                ):
+                    if is_var(a):
+                        _accumulate(ct, a, c)
+        for v in step.free:
+            env.pop(v, None)
+    new_in = [env.get(v, x) for v, x in zip(jaxpr.invars, invals, strict=True)]
+    return new_in, ([ct.get(v) for v in jaxpr.invars] if want_cts else None), code
+
+
+def raise_failed_check(code: Any) -> None:
+    """Host callback: raises the error of the first failed check in ``code`` (0: none)."""
+    failed = np.asarray(code).ravel()
+    failed = failed[failed != 0]
+    if failed.size:
+        from remat_nn.errors import NotInvertibleError
+
+        raise NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1])
