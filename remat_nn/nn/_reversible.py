@@ -125,8 +125,9 @@ class ReversibleSequence(fnn.Module):
 
     >>> import jax, jax.numpy as jnp, flax.linen as fnn
     >>> from remat_nn import nn
-    >>> stack = nn.ReversibleSequence(nn.AdditiveCoupling(fnn.Dense(4), fnn.Dense(4)), depth=6)
-    >>> x = jnp.ones((2, 8))                                     # halves (2, 4) and (2, 4)
+    >>> dense = lambda: fnn.Dense(4, kernel_init=fnn.initializers.normal(0.1))  # small updates
+    >>> stack = nn.ReversibleSequence(nn.AdditiveCoupling(dense(), dense()), depth=6)
+    >>> x = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8)           # halves (2, 4) and (2, 4)
     >>> variables = jax.jit(stack.init)(jax.random.key(0), x)
     >>> variables["params"]["layers"]["f"]["kernel"].shape      # stacked: (depth, 4, 4)
     (6, 4, 4)
@@ -135,8 +136,9 @@ class ReversibleSequence(fnn.Module):
     >>> grads = jax.jit(jax.grad(loss))(variables["params"])   # reconstructs, stores nothing
     >>> plain = stack.copy(reversible=False)                   # same network, plain autodiff
     >>> ref = jax.jit(jax.grad(lambda p: loss(p, plain)))(variables["params"])
-    >>> bool(jnp.allclose(grads["layers"]["f"]["kernel"], ref["layers"]["f"]["kernel"],
-    ...                   rtol=1e-4, atol=1e-5))
+    >>> err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # relative to max |b|
+    ...           for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)))
+    >>> err < 1e-5
     True
 
     References:
