@@ -394,6 +394,19 @@ def test_a_known_factor_with_zeros_raises_instead_of_nan(jit):
                                            argnums=(0, 1))(x, ones)) < 1e-6  # fmt: skip
 
 
+def test_a_constant_zero_factor_keeps_the_input_instead_of_failing_at_run_time():
+    """`x * 0.0` provably destroys x: the rule is not used, x is kept, no run-time error."""
+
+    def f(x):
+        return (x * 0.0 + 1.0, 2.0 * jnp.sin(x))
+
+    x = jnp.linspace(0.1, 1.0, 4)
+    report = rn.inversion_report(f, x)
+    assert report.data_inputs == ("args[0]",) and report.checked == (), str(report)
+    g_inv, g_ref = grads(f, x)
+    assert rel_err(g_inv, g_ref) < 1e-6
+
+
 @pytest.mark.parametrize(
     "op, x0",
     [(jnp.exp, -110.0), (jnp.expm1, -20.0)],

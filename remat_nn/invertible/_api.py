@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from remat_nn._jax_internals import core, pe
+from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
 from remat_nn.invertible._walk import execute, raise_failed_check
@@ -74,6 +75,8 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, *, lossy_ok: bool) -> Trace
     names = [f"closed-over constant {k}" for k in range(len(closed.consts))]
     names += [_arg_name(jax.tree_util.keystr(leaves_with_path[i][0])) for i in dyn_index]
     analysis = analyze(jaxpr, lossy_ok=lossy_ok, num_constants=len(closed.consts))
+    if analysis.failure is not None:  # not expected: every input may be kept
+        raise NotInvertibleError(f"rn.invertible: {analysis.failure}")
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis)
 
 

@@ -97,7 +97,10 @@ class SimpleRule:
             else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
             for a in eqn.invars
         ]
-        return Assessment(lossy=self.rule.lossy(constants, unknown))
+        kind, why = self.rule.exactness(constants, unknown)
+        if kind == "lost":
+            return Assessment(f"a constant operand destroys it ({why})")
+        return Assessment(lossy=why if kind == "checked" else None)
 
     def run(self, eqn, assessment, ins, outs, couts):
         del couts
@@ -184,9 +187,9 @@ class ScanRule:
     def run(self, eqn, assessment, ins, outs, couts):
         from remat_nn.invertible._walk import combine_codes, execute
 
-        prm = eqn.params
-        num_consts, num_carry = prm["num_consts"], prm["num_carry"]
-        _, body_consts = open_jaxpr(prm["jaxpr"])
+        params = eqn.params
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        _, body_consts = open_jaxpr(params["jaxpr"])
         num_body_consts = len(body_consts)
         consts, xs = list(ins[:num_consts]), list(ins[num_consts + num_carry :])
         carry_avals = [a.aval for a in eqn.invars[num_consts : num_consts + num_carry]]
@@ -254,7 +257,7 @@ class ScanRule:
         init = (list(outs[:num_carry]), ct_carry, ct_consts, code0)
         per_iter = (ys, ct_ys, [x if k else None for x, k in zip(xs, xs_known, strict=True)])
         (carry0, ct_c0, ct_k, code), (x_rec, ct_x) = lax.scan(
-            body, init, per_iter, length=prm["length"], reverse=not prm["reverse"]
+            body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )
         new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]
         rebuilt = consts + list(carry0) + new_xs

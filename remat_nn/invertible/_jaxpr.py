@@ -128,9 +128,9 @@ def eqn_vjp(
     cotangents are zero.
     """
     diff = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and is_float(a.aval))
-    cins: list[Any] = [None] * len(ins)
+    in_cts: list[Any] = [None] * len(ins)
     if not diff:
-        return cins
+        return in_cts
     out_avals = [v.aval for v in eqn.outvars]
     zero = tuple(c is None for c in couts)
 
@@ -168,5 +168,5 @@ def eqn_vjp(
         closed = cache[key]
         res = core.eval_jaxpr(closed.jaxpr, closed.consts, *ins, *cts)
     for p, c in zip(diff, res, strict=True):
-        cins[p] = c
-    return cins
+        in_cts[p] = c
+    return in_cts

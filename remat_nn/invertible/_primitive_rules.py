@@ -48,13 +48,15 @@ class Guard:
       reason: what can destroy the information, shown in the error ("the known factor is 0").
       ok: ``ok(invals, outvals, new_invals, unknown, **params) -> bool`` array: True where the
         reconstruction is exact. ``invals`` has placeholders where ``new_invals`` has values.
-      static_ok: optional ``static_ok(invals, unknown) -> bool``: True if the known operands
-        (Python / NumPy constants, else placeholders) already prove exactness, so no check runs.
+      static_ok: optional ``static_ok(invals, unknown) -> bool | None`` on the known operands
+        (Python / NumPy constants, else placeholders): True if they prove the inverse exact (no
+        check runs), False if they prove it lossy (a constant 0 factor: the rule is not used),
+        None if only the values at run time can tell.
     """
 
     reason: str
     ok: Callable[..., Any]
-    static_ok: Callable[[Sequence[Any], tuple[int, ...]], bool] | None = None
+    static_ok: Callable[[Sequence[Any], tuple[int, ...]], bool | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +82,15 @@ class PrimitiveRule:
         """Whether the rule can ever reconstruct operand ``position``."""
         return self.positions is None or position in self.positions
 
-    def lossy(self, constants: Sequence[Any], unknown: tuple[int, ...]) -> str | None:
-        """Why this inversion needs a run-time check (None: exact for any values)."""
+    def exactness(self, constants: Sequence[Any], unknown: tuple[int, ...]) -> tuple[str, str]:
+        """``("exact", "")``, ``("checked", why)`` (exact unless the values at run time say
+        otherwise) or ``("lost", why)`` (the constants prove the information gone)."""
         if self.guard is None:
-            return None
-        if self.guard.static_ok is not None and self.guard.static_ok(constants, unknown):
-            return None
-        return self.guard.reason
+            return "exact", ""
+        known = None if self.guard.static_ok is None else self.guard.static_ok(constants, unknown)
+        if known is None:
+            return "checked", self.guard.reason
+        return ("exact", "") if known else ("lost", self.guard.reason)
 
 
 _RULES: dict[Primitive, PrimitiveRule] = {}
@@ -237,16 +241,23 @@ def _finite_result(invals, outvals, new, unknown, **params):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(new[p])) for p in unknown]))
 
 
-def _const_normal(invals, unknown) -> bool:
-    """The known operand is a constant whose every element is finite and not tiny."""
+def _const_normal(invals, unknown) -> bool | None:
+    """Whether the other operand, a constant, is finite and not tiny everywhere (None: it is
+    not a constant, only the run-time values can tell)."""
     (p,) = unknown
     known = invals[1 - p]
     if is_unknown(known) or isinstance(known, jax.Array):
-        return False
+        return None
     arr = np.asarray(known)
     if not np.issubdtype(arr.dtype, np.floating):
         return bool(np.all(arr != 0))
     return bool(np.all(np.isfinite(arr)) and np.all(np.abs(arr) >= np.finfo(arr.dtype).tiny))
+
+
+def _div_static(invals, unknown) -> bool | None:
+    # a = y * b is exact for a normal constant b; b = a / y needs y's values even then.
+    normal = _const_normal(invals, unknown)
+    return normal if normal is False or unknown == (0,) else None
 
 
 # --- arithmetic: y = op(a, b) with one operand known --------------------------------------------
@@ -278,7 +289,7 @@ _RULES[prims.div_p] = PrimitiveRule(
     guard=Guard(
         "a known operand is 0, infinite or subnormal, so the quotient lost the other one",
         _finite_result,
-        lambda invals, unknown: unknown == (0,) and _const_normal(invals, unknown),
+        _div_static,
     ),
 )
 

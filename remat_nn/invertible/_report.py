@@ -63,8 +63,8 @@ class InversionReport:
             f"rn.inversion_report: {len(self.entries)} equations; "
             + ", ".join(f"{n} {p}" for p, n in self.counts.items())
         ]
-        wp = max((len(e.primitive) for e in self.entries), default=9)
-        ww = max((len(e.where) for e in self.entries), default=5)
+        wp = max([len("primitive")] + [len(e.primitive) for e in self.entries])
+        ww = max([len("where")] + [len(e.where) for e in self.entries])
         lines.append(f"  {'#':>4}  {'primitive':<{wp}}  {'path':<10}  {'where':<{ww}}  detail")
         for e in self.entries:
             lines.append(
