@@ -58,6 +58,9 @@ COMBINE = {
     "flip": lambda a, s: jnp.flip(a, 1) + s,
     "permute": lambda a, s: _permute(a) + s,
     "halves": lambda a, s: _swap_halves(a) * 2.0 + s,
+    # a traced scalar factor: the same (array, scalar) mul as `* 2.0` above, but the scalar is
+    # a variable, not a literal (a VJP cache keyed without that mixes the two up)
+    "gain": lambda a, s: a * _softscale(s[0, 0]) + s,
 }
 SIDE = {
     "tanh_dot": lambda b, w: jnp.tanh(b @ w),
