@@ -12,6 +12,7 @@ import yaml
 
 import remat_nn as rn
 from remat_nn import nn
+from tests.gradients import rel_err
 
 
 class MLP(fnn.Module):
@@ -263,7 +264,7 @@ def test_plans_under_jax_remat3_save_their_names_or_fail_loudly(jax_upgrade_flag
     for spec, saved in (("save=mlp_hidden", {"mlp_hidden"}), (keep_out, {"mlp_out"})):
         g = rn.checkpoint(f, policy=spec)
         assert set(rn.memory_report(g, x).names()) == saved, spec
-        np.testing.assert_allclose(jax.grad(g)(x), jax.grad(f)(x), rtol=1e-6)
+        assert rel_err(jax.grad(g)(x), jax.grad(f)(x)) < 1e-6
     if jax_upgrade_flags == "default":
         return
     for spec in ("offload=mlp_hidden", "everything_saveable", lambda *_, **__: True):
