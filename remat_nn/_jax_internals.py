@@ -65,6 +65,7 @@ __all__ = [
     "checkpoint_name_of",
     "core",
     "custom_jvp_call_p",
+    "custom_vjp_bwd",
     "custom_vjp_call_p",
     "hi_kind",
     "jit_p",
@@ -112,6 +113,16 @@ def hi_kind(eqn: Any) -> str | None:
         return "name"
     if isinstance(prim, CustomVJPTraced):
         return "custom_vjp"
+    return None
+
+
+def custom_vjp_bwd(eqn: Any) -> Any:
+    """The user's ``bwd`` object of a ``custom_vjp`` equation (either staging), else None."""
+    if eqn.primitive is custom_vjp_call_p:
+        bwd = eqn.params["bwd"]
+        return getattr(bwd, "f", bwd)  # a wrapped function: the callable it wraps
+    if hi_kind(eqn) == "custom_vjp":
+        return eqn.params["_prim"].bwd
     return None
 
 

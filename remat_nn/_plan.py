@@ -265,6 +265,16 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
     return Plan(**mapping)
 
 
+def as_plan(spec: Any) -> Plan | None:
+    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string), or
+    None for a policy name, a callable or None."""
+    if isinstance(spec, Plan):
+        return spec
+    if isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec):
+        return plan(spec)
+    return None
+
+
 # --- finding names in traced code -------------------------------------------------------------
 
 

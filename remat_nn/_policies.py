@@ -214,11 +214,9 @@ def for_remat3(spec: Any, resolved: Any, where: str) -> Any:
     """
     if not remat3_on() or remat3_honours(resolved):
         return resolved
-    from remat_nn._plan import Plan, plan
+    from remat_nn._plan import as_plan
 
-    the_plan = spec if isinstance(spec, Plan) else None
-    if the_plan is None and (isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec)):
-        the_plan = plan(spec)
+    the_plan = as_plan(spec)
     if the_plan is not None and not the_plan.offload:
         # Unnamed values are recomputed by a plan and by both name-list classes alike.
         if the_plan.default == "recompute":

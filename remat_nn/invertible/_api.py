@@ -15,7 +15,7 @@ from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
-from remat_nn.invertible._walk import execute, raise_failed_check
+from remat_nn.invertible._walk import execute, stop_on_failed_check
 
 __all__ = ["Invertible", "invertible"]
 
@@ -100,8 +100,7 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
         _, in_cts, code = execute(analysis, invals, outs, list(cts), want_inputs=False)
-        if code is not None:
-            jax.debug.callback(raise_failed_check, code)
+        stop_on_failed_check(code)
         return tuple(c if f else None for c, f in zip(in_cts, float_in, strict=True))
 
     bwd.invertible_block = getattr(jaxpr.debug_info, "func_name", "?")  # seen by the report
@@ -171,6 +170,10 @@ class Invertible:
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """The (cached) trace and analysis of this call signature."""
+        return self._prepare(args, kwargs)[0]
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Traced, list[Any], Any]:
+        """(the trace of this signature, the flat non-static leaves, their tree)."""
         dyn_args, dyn_kwargs, fun, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         dyn_index = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
@@ -180,19 +183,17 @@ class Invertible:
         except TypeError:  # an unhashable static leaf: trace every time
             key = None
         if key is not None and key in self._cache:
-            return self._cache[key]
+            return self._cache[key], leaves, treedef
         traced = _trace(fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error")
         traced.run = _as_custom_vjp(traced.analysis)
         # Like jax.jit, closed-over arrays are captured at the first trace; a trace that closed
         # over another transformation's tracers is not reused.
         if key is not None and not any(isinstance(c, core.Tracer) for c in traced.consts):
             self._cache[key] = traced
-        return traced
+        return traced, leaves, treedef
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        traced = self.trace(*args, **kwargs)
-        dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
-        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        traced, leaves, _ = self._prepare(args, kwargs)
         outs = traced.run(*traced.consts, *[leaves[i] for i in traced.dyn_index])
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
@@ -212,17 +213,14 @@ class Invertible:
         >>> x
         Array([0., 1., 2.], dtype=float32)
         """
-        traced = self.trace(*args, **kwargs)
-        dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        traced, leaves, treedef = self._prepare(args, kwargs)
         analysis = traced.analysis
         ins = list(traced.consts) + [leaves[i] for i in traced.dyn_index]
         outs = eval_jaxpr(analysis.jaxpr, ins)[0]
         kept = set(analysis.kept)
         invals = [x if p in kept else None for p, x in enumerate(ins)]
         rebuilt, _, code = execute(analysis, invals, outs, None, want_inputs=True)
-        if code is not None:
-            jax.debug.callback(raise_failed_check, code)
+        stop_on_failed_check(code)
         for i, x in zip(traced.dyn_index, rebuilt[len(traced.consts) :], strict=True):
             leaves[i] = x
         return jax.tree_util.tree_unflatten(treedef, leaves)

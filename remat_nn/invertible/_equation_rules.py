@@ -21,6 +21,7 @@ from jax import lax
 from remat_nn._jax_internals import (
     core,
     custom_jvp_call_p,
+    custom_vjp_bwd,
     custom_vjp_call_p,
     hi_kind,
     jit_p,
@@ -301,12 +302,7 @@ class IVJPRule:
 
 def ivjp_bwd(eqn: core.JaxprEqn) -> Any:
     """The custom_ivjp backward object of a custom_vjp equation, or None."""
-    if eqn.primitive is custom_vjp_call_p:
-        bwd = getattr(eqn.params["bwd"], "f", eqn.params["bwd"])
-    elif hi_kind(eqn) == "custom_vjp":
-        bwd = eqn.params["_prim"].bwd
-    else:
-        return None
+    bwd = custom_vjp_bwd(eqn)
     return bwd if getattr(bwd, "is_custom_ivjp", False) else None
 
 

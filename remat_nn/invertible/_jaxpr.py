@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_nn._jax_internals import core, hi_kind, pe, scan_p, source_info_util
+from remat_nn._jax_internals import (
+    core,
+    custom_vjp_bwd,
+    hi_kind,
+    pe,
+    scan_p,
+    source_info_util,
+)
 
 # Equations traced from this package (a custom_ivjp call, a rule) are attributed to the user's line.
 source_info_util.register_exclusion(os.path.dirname(__file__) + os.sep)
@@ -35,8 +42,7 @@ def display(eqn: core.JaxprEqn) -> str:
     """The primitive's name, with the function or activation name: ``jit[_flip]``."""
     name = eqn.primitive.name
     kind = hi_kind(eqn)
-    bwd = eqn.params["_prim"].bwd if kind == "custom_vjp" else eqn.params.get("bwd")
-    owner = getattr(getattr(bwd, "f", bwd), "owner", None)
+    owner = getattr(custom_vjp_bwd(eqn), "owner", None)
     if owner is not None:  # a custom_ivjp call
         return f"custom_ivjp[{getattr(owner.fun, '__name__', '?')}]"
     if kind is not None:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from remat_nn._jax_internals import core, hi_kind, scan_p, sub_jaxprs
+from remat_nn._jax_internals import core, custom_vjp_bwd, scan_p, sub_jaxprs
 from remat_nn.invertible._api import Invertible, _trace
 from remat_nn.invertible._jaxpr import aval_str, display, nbytes, where
 
@@ -87,8 +87,7 @@ class InversionReport:
 def _invertible_calls(jaxpr: core.Jaxpr, times: int, counts: dict[str, int]) -> None:
     """Counts rn.invertible blocks run by ``jaxpr`` (a scan body runs ``length`` times)."""
     for eqn in jaxpr.eqns:
-        bwd = eqn.params["_prim"].bwd if hi_kind(eqn) == "custom_vjp" else eqn.params.get("bwd")
-        name = getattr(getattr(bwd, "f", bwd), "invertible_block", None)
+        name = getattr(custom_vjp_bwd(eqn), "invertible_block", None)
         if name is not None:
             counts[name] = counts.get(name, 0) + times
             continue

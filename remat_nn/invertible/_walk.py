@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, Derivation
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
 
@@ -223,11 +224,15 @@ def execute(
     return new_in, ([ct.get(v) for v in jaxpr.invars] if want_cts else None), code
 
 
-def raise_failed_check(code: Any) -> None:
-    """Host callback: raises the error of the first failed check in ``code`` (0: none)."""
+def stop_on_failed_check(code: Any) -> None:
+    """Stages a host callback that raises the error of the first failed check in ``code``
+    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged)."""
+    if code is not None:
+        jax.debug.callback(_raise_failed_check, code)
+
+
+def _raise_failed_check(code: Any) -> None:
     failed = np.asarray(code).ravel()
     failed = failed[failed != 0]
     if failed.size:
-        from remat_nn.errors import NotInvertibleError
-
         raise NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1])

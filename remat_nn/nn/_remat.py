@@ -17,21 +17,13 @@ import jax
 from flax import errors as flax_errors
 from flax.linen.transforms import checkpoint as flax_remat  # the original, even if patched
 
-from remat_nn._plan import Plan, checked_body, plan
+from remat_nn._plan import Plan, as_plan, checked_body
 from remat_nn._policies import for_remat3
 from remat_nn._policies import policy as resolve_policy
 
 __all__ = ["checkpoint", "remat"]
 
 Target = TypeVar("Target")
-
-
-def _as_plan(policy: Any) -> Plan | None:
-    if isinstance(policy, Plan):
-        return policy
-    if isinstance(policy, Mapping) or (isinstance(policy, str) and "=" in policy):
-        return plan(policy)
-    return None
 
 
 # --- argument checks, at wrap time (not deep in tracing) -----------------------------------------
@@ -169,7 +161,7 @@ def remat(
     # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
     flax_kwargs = dict(variables=variables, rngs=rngs, concrete=concrete, prevent_cse=prevent_cse,
                        static_argnums=static_argnums, policy=resolved, methods=methods)  # fmt: skip
-    the_plan = _as_plan(policy)
+    the_plan = as_plan(policy)
     if isinstance(target, type) and issubclass(target, fnn.Module):
         lifted = ["__call__"] if methods is None else list(methods)
         _check_static_argnums(
@@ -238,7 +230,7 @@ def checkpoint(
     _check_static_argnums(
         static_argnums, "rn.checkpoint", {getattr(fn, "__name__", repr(fn)): fn}, module=False
     )
-    the_plan = _as_plan(policy)
+    the_plan = as_plan(policy)
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(fn, "__name__", repr(fn)))
     resolved = for_remat3(policy, resolve_policy(policy), "rn.checkpoint")
