@@ -534,6 +534,9 @@ def test_static_argnames_and_argnums():
             assert rel_err(got, want) < 1e-6
     got = by_name(x, w, train=True, scale=3)
     assert rel_err(got, block(x, w, True, 3)) == 0.0
+    # reports name arguments by their position in the call, static ones included
+    first = rn.invertible(lambda train, x, w: block(x, w, train), static_argnums=0)
+    assert [n for n, _ in rn.inversion_report(first, True, x, w).stored_inputs] == ["args[2]"]
     with pytest.raises(TypeError, match="hashable"):
         by_num(x, w, [True], 3)
     with pytest.raises(ValueError, match="static_argnames .*'trian'"):

@@ -42,9 +42,13 @@ class Traced:
     run: Callable | None = None  # the custom_vjp over (consts, traced leaves)
 
 
-def _arg_name(path: str) -> str:
-    # "[0][1]['w']" -> "args[1]['w']", "[1]['scale']" -> "kwargs['scale']"
-    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+def _arg_name(path: tuple, positions: Sequence[int] | None) -> str:
+    """``args[2]['w']`` / ``kwargs['scale']`` for a leaf of ``(args, kwargs)``; ``positions``
+    maps the traced arguments back to the call's positions (static ones left out)."""
+    if path[0].idx == 1:
+        return "kwargs" + jax.tree_util.keystr(path[1:])
+    k = path[1].idx if positions is None else positions[path[1].idx]
+    return f"args[{k}]" + jax.tree_util.keystr(path[2:])
 
 
 def _signature_key(treedef, leaves, dyn_index) -> Any:
@@ -55,7 +59,14 @@ def _signature_key(treedef, leaves, dyn_index) -> Any:
     return (treedef, static, types)
 
 
-def _trace(fun: Callable, args: tuple, kwargs: dict, *, lossy_ok: bool) -> Traced:
+def _trace(
+    fun: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    lossy_ok: bool,
+    positions: Sequence[int] | None = None,
+) -> Traced:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in leaves_with_path]
     dyn_index = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
@@ -73,7 +84,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, *, lossy_ok: bool) -> Trace
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr = dce(jaxpr, [True] * len(jaxpr.outvars))
     names = [f"closed-over constant {k}" for k in range(len(closed.consts))]
-    names += [_arg_name(jax.tree_util.keystr(leaves_with_path[i][0])) for i in dyn_index]
+    names += [_arg_name(leaves_with_path[i][0], positions) for i in dyn_index]
     analysis = analyze(jaxpr, lossy_ok=lossy_ok, num_constants=len(closed.consts))
     if analysis.failure is not None:  # not expected: every input may be kept
         raise NotInvertibleError(f"rn.invertible: {analysis.failure}")
@@ -130,7 +141,8 @@ class Invertible:
         self._cache: dict[Any, Traced] = {}
 
     def _split(self, args: tuple, kwargs: dict):
-        """(dynamic args, dynamic kwargs, a function of those closing over the static ones)."""
+        """(dynamic args, dynamic kwargs, a function of those closing over the static ones, the
+        static values as a cache key, the call positions of the dynamic args)."""
         n = len(args)
         # A static parameter passed by keyword leaves its position out of range: that is fine.
         bad = [k for k in self.static_argnums if not -n <= k < n and k not in self._named]
@@ -151,22 +163,19 @@ class Invertible:
                     f"cache), got {type(value).__name__}. Fix: pass a tuple instead of a list, or "
                     "make it a traced array argument."
                 ) from None
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        positions = [i for i in range(n) if i not in static_pos]
+        dyn_args = tuple(args[i] for i in positions)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
         if not static_args and not static_kw:
-            return dyn_args, dyn_kwargs, self.fun, ()
+            return dyn_args, dyn_kwargs, self.fun, (), positions
 
         def bound(*dyn, **kw):
             it = iter(dyn)
             full = [static_args[i] if i in static_pos else next(it) for i in range(n)]
             return self.fun(*full, **kw, **static_kw)
 
-        return (
-            dyn_args,
-            dyn_kwargs,
-            bound,
-            (tuple(sorted(static_args.items())), tuple(sorted(static_kw.items()))),
-        )
+        static_key = (tuple(sorted(static_args.items())), tuple(sorted(static_kw.items())))
+        return dyn_args, dyn_kwargs, bound, static_key, positions
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """The (cached) trace and analysis of this call signature."""
@@ -174,7 +183,7 @@ class Invertible:
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Traced, list[Any], Any]:
         """(the trace of this signature, the flat non-static leaves, their tree)."""
-        dyn_args, dyn_kwargs, fun, static_key = self._split(args, kwargs)
+        dyn_args, dyn_kwargs, fun, static_key, positions = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         dyn_index = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
         try:
@@ -184,7 +193,9 @@ class Invertible:
             key = None
         if key is not None and key in self._cache:
             return self._cache[key], leaves, treedef
-        traced = _trace(fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error")
+        traced = _trace(
+            fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error", positions=positions
+        )
         traced.run = _as_custom_vjp(traced.analysis)
         # Like jax.jit, closed-over arrays are captured at the first trace; a trace that closed
         # over another transformation's tracers is not reused.
