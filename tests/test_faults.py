@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -196,26 +195,18 @@ def test_three_seeded_random_kills_still_bitwise_equal(tmp_path, reference):
 # --- SIGTERM --------------------------------------------------------------------------------------
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_resumes_bitwise(tmp_path):
-    long = ("train.steps=60", "checkpoint.every=1000")
-    proc = start(argv(tmp_path / "run", *long))
-    seen = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 5:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    stopped = [int(n) for n in steps(tmp_path / "run")]
-    assert len(stopped) == 1 and 5 <= stopped[0] < 60 and f"step {stopped[0]}" in out
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_signal_checkpoints_at_that_step_exits_128_plus_n_and_resumes_bitwise(
+    sig, tmp_path, reference
+):
+    # The process signals itself once step 5 is taken (a fault point, not a race with a parent).
+    code, out = train(tmp_path / "run", "checkpoint.every=1000", fault=f"{sig.name.lower()}@5")
+    assert code == 128 + sig, out
+    assert steps(tmp_path / "run") == ["5"] and f"{sig.name}: saved checkpoint at step 5" in out
 
-    code, out = train(tmp_path / "run", *long)
-    assert code == 0 and f"(step {stopped[0]})" in out, out
-    code, out = train(tmp_path / "ref", *long)
-    assert code == 0, out
-    assert_bitwise_equal(saved(tmp_path / "run", 60), saved(tmp_path / "ref", 60))
+    code, out = train(tmp_path / "run")
+    assert code == 0 and "(step 5)" in out, out
+    assert_bitwise_equal(saved(tmp_path / "run", 8), saved(reference, 8))
 
 
 # --- damaged checkpoints --------------------------------------------------------------------------
@@ -318,11 +309,10 @@ def test_second_process_on_the_run_directory_exits_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     lock = integrity.RunLock(run_dir)  # this test process is the first trainer
     try:
-        t0 = time.monotonic()
         code, out = train(run_dir)
         assert code == 5 and f"pid {os.getpid()}" in out and "in use" in out, out
-        assert time.monotonic() - t0 < 60
-        assert not (run_dir / "checkpoints").exists()
+        # Refused before anything is built (no data loaded, no step compiled) or written.
+        assert f"model {MODEL}" not in out and not (run_dir / "checkpoints").exists(), out
     finally:
         lock.release()
 

@@ -11,6 +11,7 @@ import pytest
 
 from train.config import Data
 from train.data import Batches, eval_batches, load, read_idx
+from train.errors import SetupError
 
 
 def test_embedded_digits_are_real_and_split_by_seed():
@@ -75,7 +76,7 @@ def test_cifar10_pickle_directory(tmp_path):
     first = parts["data_batch_1"][b"data"][0]
     assert ds.train_x[0, 0, 0, 1] == pytest.approx(first[1024] / 255.0)
     assert list(ds.train_y[:6]) == parts["data_batch_1"][b"labels"]
-    with pytest.raises(FileNotFoundError, match="not a CIFAR-10"):
+    with pytest.raises(SetupError, match="not a CIFAR-10"):
         load(Data(source="cifar10", path=str(tmp_path / "missing")), task="classify")
 
 
@@ -89,7 +90,7 @@ def test_npz_with_and_without_test_split(tmp_path):
     ds = load(Data(source="npz", path=str(tmp_path / "b.npz"), test_fraction=0.25), task="classify")
     assert len(ds.train_x) == 15 and len(ds.test_x) == 5
     np.savez(tmp_path / "c.npz", images=x)
-    with pytest.raises(KeyError, match="x_train, y_train"):
+    with pytest.raises(SetupError, match="x_train, y_train"):
         load(Data(source="npz", path=str(tmp_path / "c.npz")), task="classify")
 
 

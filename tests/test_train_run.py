@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 import pydantic
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
@@ -254,20 +257,15 @@ def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
     reference = loop.run(make_cfg(tmp_path / "ref", *steps))
 
     loop.run(make_cfg(run_dir, *steps), stop_after=4)  # 8 devices, checkpoint at step 4
-    # 1 device: resumes at 4, takes a few steps, then SIGTERM saves a checkpoint and exits.
-    proc = cli(cli_argv(run_dir, *steps, "checkpoint.every=1000"), devices=1)
-    seen = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 7:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    # 1 device: resumes at 4, takes 3 steps, then a SIGTERM (sent by the process itself at step
+    # 7) saves a checkpoint and exits.
+    proc = cli(cli_argv(run_dir, *steps, "checkpoint.every=1000"), devices=1,
+               env={"REMAT_NN_FAULT": "sigterm@7"})  # fmt: skip
+    out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "'data': 1, 'fsdp': 1" in out and "resumed from" in out and "SIGTERM" in out
     stopped_at = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert 7 <= stopped_at < 100
+    assert stopped_at == 7
 
     back = loop.run(make_cfg(run_dir, *steps))  # 8 devices again
     assert back.resumed_from == stopped_at and back.step == 100
@@ -284,21 +282,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(run_dir, *extra: str) -> list[str]:
-    port = _free_port()
+def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6"):
+    """Two ``python -m train`` processes on localhost: [(exit code, output)] per process."""
+    if flags is None:
+        port = _free_port()
+        flags = [["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                  "--process-id", str(i)] for i in range(2)]  # fmt: skip
     procs = [
         cli(
-            [
-                *cli_argv(run_dir, "train.steps=6", "train.eval_every=3"),
-                *extra,
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ],
+            [*cli_argv(run_dir, steps, "train.eval_every=3"), *extra, *flags[i]],
             devices=2,
+            env=envs[i],
         )  # fmt: skip
         for i in range(2)
     ]
@@ -311,9 +305,14 @@ def _two_processes(run_dir, *extra: str) -> list[str]:
             for q in procs:
                 q.kill()
             raise
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out
-    return outs
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+def _two_processes(run_dir, *extra: str) -> list[str]:
+    results = _launch(run_dir, *extra)
+    for code, out in results:
+        assert code == 0, out
+    return [out for _, out in results]
 
 
 def test_two_process_run_saves_and_resumes(tmp_path):
@@ -332,6 +331,86 @@ def test_two_process_run_saves_and_resumes(tmp_path):
         [r["loss"] for r in metrics(run_dir)], [r["loss"] for r in metrics(tmp_path / "one")],
         rtol=1e-5,
     )  # fmt: skip
+
+
+def _steps_saved(run_dir) -> list[int]:
+    names = [p.name for p in (Path(run_dir) / "checkpoints").iterdir()]
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _saved_arrays(run_dir, step: int) -> dict:
+    # Written by 2 processes (4 devices): read onto this process's first device.
+    path = Path(run_dir) / "checkpoints" / str(step) / "state"
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path)
+    meta = getattr(meta, "item_metadata", meta)  # StepMetadata -> the tree's metadata
+    args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=one), meta.tree)
+    tree = checkpointer.restore(path, restore_args=args)
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}  # fmt: skip
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    # A preemption notice reaches one host. Both must save the same step (the save is
+    # collective) and exit 128+15; the resumed run equals an uninterrupted one bit for bit.
+    long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0")
+    stopped = _launch(tmp_path / "mp", *long, envs=({}, {"REMAT_NN_FAULT": "sigterm@3"}))
+    for code, out in stopped:
+        assert code == 128 + signal.SIGTERM, out
+    (step,) = _steps_saved(tmp_path / "mp")
+    assert 3 <= step < 30
+    assert f"SIGTERM: saved checkpoint at step {step}" in stopped[0][1], stopped[0][1]
+
+    resumed = _launch(tmp_path / "mp", *long)
+    assert all(code == 0 for code, _ in resumed) and f"(step {step})" in resumed[0][1]
+    reference = _launch(tmp_path / "ref", *long)
+    assert all(code == 0 for code, _ in reference)
+    a, b = _saved_arrays(tmp_path / "mp", 30), _saved_arrays(tmp_path / "ref", 30)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_path):
+    # Process 0 alone checks the lock and the config; the others must learn its verdict, not
+    # wait for the coordinator's timeout.
+    run_dir = tmp_path / "mp"
+    loop.run(make_cfg(run_dir, "train.steps=6", "train.eval_every=3"), stop_after=2)
+    changed = _launch(run_dir, "optim.lr=0.05")
+    for code, out in changed:
+        assert code == 4, out
+    assert "ConfigChangedError: the config differs" in changed[0][1]
+    assert "ConfigChangedError: process 0 failed at start-up" in changed[1][1]
+
+    from train import integrity
+
+    lock = integrity.RunLock(run_dir)  # another trainer holds the run directory
+    try:
+        locked = _launch(run_dir)
+    finally:
+        lock.release()
+    for code, out in locked:
+        assert code == 5, out
+    assert "RunLockedError: process 0 failed at start-up" in locked[1][1]
+
+
+def test_slurm_launch_is_detected_without_a_coordinator(tmp_path):
+    # JAX's Slurm detection: coordinator = first node of the step, port from the job id.
+    while True:
+        job = random.randrange(4096)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job))
+                break
+            except OSError:
+                continue
+    envs = [{"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} for i in range(2)]  # fmt: skip
+    results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
+    for code, out in results:
+        assert code == 0, out
+    assert "on 2 process(es)" in results[0][1] and _steps_saved(tmp_path / "slurm") == [2]
 
 
 # --- non-finite loss, bfloat16, dry run -----------------------------------------------------------
@@ -359,9 +438,104 @@ def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
 
 def test_dry_run_prints_parameters_and_memory(tmp_path):
     lines: list[str] = []
-    result = loop.run(make_cfg(tmp_path / "dry"), dry_run=True, out=lines.append)
+    knobs = ("optim.weight_decay=1e-4", "train.compute_dtype=bfloat16")
+    result = loop.run(make_cfg(tmp_path / "dry", *knobs), dry_run=True, out=lines.append)
     text = "\n".join(lines)
+    # TinyMLP: Dense kernel + bias, BatchNorm scale + bias, Dense kernel + bias.
+    assert "weight decay: 2 of 6 parameter leaves (not decayed: bias x 3, scale x 1)" in text
+    (dtypes,) = [line for line in lines if line.startswith("matmul operand dtypes: {")]
+    assert "bfloat16" in dtypes and "float32" not in dtypes.replace("bfloat16", ""), dtypes
     assert result.state is None and not (tmp_path / "dry").exists()
     for expected in ("parameters:", "Dense_0", "total", "memory report", "XLA compiled memory",
                      "alias", "donation"):  # fmt: skip
         assert expected in text, text
+
+
+# --- weight decay by role -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, options, example",
+    [
+        # (no arrays here: this module is imported by the subprocesses before jax.distributed)
+        ("revnet38", {"width": 0.25}, ((1, 32, 32, 3), "float32")),
+        ("resnet32", {"width": 0.25}, ((1, 32, 32, 3), "float32")),
+        ("transformer", {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_len": 16},
+         ((1, 16), "int32")),
+    ],
+)  # fmt: skip
+def test_weight_decay_spares_biases_and_norm_scales_whatever_their_rank(name, options, example):
+    model, x = models.build(name, **options), jnp.zeros(*example)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))["params"]
+    flat = {"/".join(str(k.key) for k in path): x
+            for path, x in jax.tree_util.tree_leaves_with_path(params)}  # fmt: skip
+    exclude = load_config(None, []).optim.decay_exclude  # the default
+    decayed = set(state_lib.decayed_paths(params, exclude))
+    for where, leaf in flat.items():
+        role = where.rsplit("/", 1)[-1]
+        assert (where in decayed) == (role in ("kernel", "embedding")), (where, leaf.shape)
+    # The case the rank rule got wrong: stacked (scanned / reversible) biases and scales.
+    spared = [x for p, x in flat.items() if p.rsplit("/", 1)[-1] in ("bias", "scale")]
+    assert spared and (name == "resnet32" or max(x.ndim for x in spared) >= 2)
+    summary = state_lib.decay_summary(params, exclude)
+    assert summary.startswith(f"weight decay: {len(decayed)} of {len(flat)} parameter leaves")
+
+
+def test_the_decay_mask_reaches_the_optimizer():
+    from train.config import Optim
+
+    params = {"mlp": {"kernel": jnp.ones((3, 4, 4)), "bias": jnp.ones((3, 4))},
+              "ln": {"scale": jnp.ones((3, 4))}}  # fmt: skip
+    zero = jax.tree.map(jnp.zeros_like, params)
+    for name in ("adamw", "sgd"):
+        cfg = Optim(name=name, lr=0.1, weight_decay=0.5, schedule="constant")
+        tx, _ = state_lib.make_optimizer(cfg, 10)
+        updates, _ = tx.update(zero, tx.init(params), params)
+        new = optax.apply_updates(params, updates)
+        assert float(jnp.abs(new["mlp"]["kernel"] - 1).max()) > 0, name  # decayed
+        np.testing.assert_array_equal(new["mlp"]["bias"], params["mlp"]["bias"])
+        np.testing.assert_array_equal(new["ln"]["scale"], params["ln"]["scale"])
+    everything = Optim(name="adamw", lr=0.1, weight_decay=0.5, decay_exclude=[])
+    tx, _ = state_lib.make_optimizer(everything, 10)
+    new = optax.apply_updates(params, tx.update(zero, tx.init(params), params)[0])
+    assert float(jnp.abs(new["ln"]["scale"] - 1).max()) > 0
+
+
+# --- exit codes, extending a finished run ---------------------------------------------------------
+
+
+def test_only_config_errors_exit_2_and_other_errors_keep_their_traceback(tmp_path, monkeypatch):
+    from train.__main__ import main
+
+    args = cli_argv(tmp_path / "codes")
+    assert main([*args, "data.batch_size=30"]) == 2  # 30 does not split over 8 devices
+    assert main([*args, "optim.lr=-1"]) == 2
+
+    def buggy_run(*args, **kwargs):
+        raise ValueError("a bug deep inside the trainer")
+
+    monkeypatch.setattr(loop, "run", buggy_run)
+    with pytest.raises(ValueError, match="a bug deep inside"):  # exit 1 with the traceback
+        main(args)
+
+
+def test_extending_a_finished_run_keeps_its_schedule_bit_for_bit(tmp_path):
+    # Cosine over 8 steps ending at half the peak lr, so the extra steps still train.
+    common = ("optim.final_lr_fraction=0.5", "train.eval_every=0")
+    loop.run(make_cfg(tmp_path / "ext", *common), allow_config_change=False)
+    lines: list[str] = []
+    loop.run(make_cfg(tmp_path / "ext", *common), out=lines.append)
+    assert "run already complete" in lines[-1] and "optim.schedule_steps=8" in lines[-1]
+
+    # More steps alone would stretch the schedule mid-run: refused, naming the key.
+    with pytest.raises(loop.ConfigChangedError, match=r"optim.schedule_steps: 8 -> 12"):
+        loop.run(make_cfg(tmp_path / "ext", *common, "train.steps=12"), allow_config_change=False)
+    more = (*common, "train.steps=12", "optim.schedule_steps=8")
+    extended = loop.run(make_cfg(tmp_path / "ext", *more), allow_config_change=False)
+    assert extended.resumed_from == 8 and extended.step == 12
+    reference = loop.run(make_cfg(tmp_path / "ref", *more))
+    for a, b in zip(leaves(reference.state), leaves(extended.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    stretched = loop.run(make_cfg(tmp_path / "str", *common, "train.steps=12"))
+    pairs = zip(leaves(stretched.state), leaves(extended.state), strict=True)
+    assert any((a != b).any() for a, b in pairs)  # the test would see a stretched schedule

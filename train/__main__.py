@@ -16,17 +16,21 @@ overrides:
   Any option below as key.sub=value (YAML values: 3, 1e-3, true, [a, b], {save: [x]}), e.g.
     python -m train --config configs/debug.yaml train.steps=50 optim.lr=3e-3 mesh.fsdp=2
 
-exit codes: 0 done (or stopped by --stop-after, or already complete), 1 training failed,
-  2 invalid config or arguments, 3 non-finite loss (the message names the step),
-  4 checkpoint problem (none verifies, it does not fit the config, a save failed, or the config
-  changed since the run started), 5 the run directory is locked by another process,
-  128+N stopped by signal N after saving a checkpoint.
+exit codes: 0 done (or stopped by --stop-after, or already complete), 1 anything else (a bug
+  or an environment failure: the traceback is printed), 2 invalid config or arguments, or a
+  config that does not fit the data, devices or machine, 3 non-finite loss (the message names
+  the step), 4 checkpoint problem (none verifies, it does not fit the config, a save failed,
+  or the config changed since the run started), 5 the run directory is locked by another
+  process, 128+N stopped by signal N after saving a checkpoint. With several processes, all
+  exit with the same code.
 
 fault injection (tests): REMAT_NN_FAULT=<point>@<step>, see train/faults.py.
 
-multi-process: start one process per host with the same command plus
-  --coordinator HOST:PORT --num-processes N --process-id I
+multi-process: start one process per host with the same command. Under Slurm (srun) or Open
+  MPI (mpirun) with several tasks the processes find each other; on a TPU pod or Kubernetes add
+  --distributed-auto; elsewhere add --coordinator HOST:PORT --num-processes N --process-id I
   (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment).
+  A SIGTERM to any process (a preemption) makes all of them save the same step and exit 143.
 
 config options:
 """
@@ -81,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: process 0's address")
     p.add_argument("--num-processes", type=int, metavar="N", help="multi-process: process count")
     p.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's id")
+    p.add_argument(
+        "--distributed-auto",
+        action="store_true",
+        help="multi-process: let jax.distributed.initialize() find the cluster (TPU pods, "
+        "Kubernetes; Slurm and Open MPI launches of several tasks are detected without it)",
+    )
     return p
 
 
@@ -106,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Before any JAX computation: multi-process setup.
+    from train.errors import SetupError
     from train.sharding import initialize_distributed
 
     try:
-        initialize_distributed(cfg.distributed)
-    except ValueError as e:
+        initialize_distributed(cfg.distributed, auto=args.distributed_auto)
+    except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -123,23 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     from train.state import DonationError
 
+    # Only the errors that name a fix are reported without a traceback; anything else is a bug
+    # or an environment failure and propagates (exit 1 with its traceback).
+    codes = {NonFiniteError: 3, CheckpointError: 4, ConfigChangedError: 4, RunLockedError: 5,
+             SetupError: 2, DonationError: 1}  # fmt: skip
     try:
         result = run(
             cfg, restart=args.restart, dry_run=args.dry_run, stop_after=args.stop_after,
             allow_config_change=args.allow_config_change, allow_dtype_cast=args.allow_dtype_cast,
             max_consecutive_skips=args.max_consecutive_skips,
         )  # fmt: skip
-    except (NonFiniteError, CheckpointError, ConfigChangedError, RunLockedError) as e:
+    except tuple(codes) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        codes = {NonFiniteError: 3, CheckpointError: 4, ConfigChangedError: 4, RunLockedError: 5}
-        return codes[type(e)]
-    except DonationError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        # Bad data paths, batch sizes that do not fit the mesh, ...: the message names the fix.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return next(code for kind, code in codes.items() if isinstance(e, kind))
     if result.interrupted:
         import signal
 

@@ -307,8 +307,12 @@ class Optim(_Section):
     b2: float = Field(0.999, ge=0.0, lt=1.0, description="adamw beta2")
     eps: PositiveFloat = Field(1e-8, description="adamw epsilon")
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
-    decay_all: bool = Field(
-        False, description="also decay biases and norm scales (default: only params of rank >= 2)"
+    decay_exclude: list[str] = Field(
+        ["bias", "scale"],
+        description="parameters not decayed: fnmatch globs on the '/'-joined path or the name",
+    )
+    schedule_steps: PositiveInt | None = Field(
+        None, description="steps the lr schedule spans (default train.steps; set to extend a run)"
     )
     schedule: Literal["constant", "cosine"] = Field(
         "cosine", description="lr after warm-up: constant, or cosine decay to final_lr_fraction"

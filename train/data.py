@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 
 from train.config import Data
+from train.errors import SetupError
 
 __all__ = ["Batches", "Dataset", "eval_batches", "load", "read_idx"]
 
@@ -118,12 +119,12 @@ class Batches:
     ):
         n = dataset.num_examples("train")
         if n < global_batch:
-            raise ValueError(
+            raise SetupError(
                 f"data: the training split has {n} examples, fewer than one global batch of "
                 f"{global_batch}. Fix: lower data.batch_size (or data.seq_len)."
             )
         if global_batch % process_count:
-            raise ValueError(
+            raise SetupError(
                 f"data: global batch {global_batch} does not split over {process_count} processes."
             )
         self.dataset = dataset
@@ -203,7 +204,7 @@ def _images(x: np.ndarray, scale: float | None = None) -> np.ndarray:
     if x.ndim == 3:
         x = x[..., None]
     if x.ndim != 4:
-        raise ValueError(f"data: images must be (N, H, W) or (N, H, W, C), got shape {x.shape}")
+        raise SetupError(f"data: images must be (N, H, W) or (N, H, W, C), got shape {x.shape}")
     if scale is None:
         scale = 255.0 if np.issubdtype(x.dtype, np.integer) else 1.0
     return (x.astype(np.float32) / np.float32(scale)).astype(np.float32)
@@ -224,7 +225,7 @@ def _digits_file() -> Path:
     # importing sklearn (seconds of imports for 200 KB of data).
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise SetupError(
             "data.source=digits needs scikit-learn (pinned in requirements.lock). Fix: "
             "make setup, or pip install -r requirements.lock."
         )
@@ -252,7 +253,7 @@ def load_cifar10(cfg: Data) -> Dataset:
 
     train_files = sorted(p.name for p in root.glob("data_batch_*"))
     if not train_files or not (root / "test_batch").exists():
-        raise FileNotFoundError(
+        raise SetupError(
             f"data.path={str(root)!r} is not a CIFAR-10 python directory: expected "
             "data_batch_1..5 and test_batch (the cifar-10-batches-py folder)."
         )
@@ -272,7 +273,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     with opener(path, "rb") as f:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"data: {path} is not an IDX file (bad magic number {raw[:4]!r})")
+        raise SetupError(f"data: {path} is not an IDX file (bad magic number {raw[:4]!r})")
     ndim = raw[3]
     dims = np.frombuffer(raw, ">u4", count=ndim, offset=4).astype(int)
     data = np.frombuffer(raw, _IDX_DTYPES[raw[2]], offset=4 + 4 * ndim)
@@ -287,7 +288,7 @@ def load_mnist(cfg: Data) -> Dataset:
         for cand in (root / stem, root / f"{stem}.gz", root / stem.replace("-idx", ".idx")):
             if cand.exists():
                 return cand
-        raise FileNotFoundError(f"data.path={str(root)!r}: no {stem}[.gz] (MNIST IDX files)")
+        raise SetupError(f"data.path={str(root)!r}: no {stem}[.gz] (MNIST IDX files)")
 
     xtr = _images(read_idx(find("train-images-idx3-ubyte")))
     ytr = read_idx(find("train-labels-idx1-ubyte"))
@@ -301,7 +302,7 @@ def load_npz(cfg: Data) -> Dataset:
     with np.load(cfg.path or "") as f:
         keys = set(f.files)
         if not {"x_train", "y_train"} <= keys:
-            raise KeyError(
+            raise SetupError(
                 f"data.path={cfg.path!r} holds {sorted(keys)}; expected arrays x_train, y_train "
                 "(and optionally x_test, y_test)."
             )
@@ -320,7 +321,7 @@ def _tokens(text: str, cfg: Data, name: str) -> Dataset:
     cut = int(len(data) * (1 - cfg.test_fraction))
     train, test = data[:cut], data[cut:]
     if (len(test) - 1) // cfg.seq_len < 1:
-        raise ValueError(
+        raise SetupError(
             f"data: {name} holds {len(data)} bytes; the test split is shorter than one window of "
             f"data.seq_len={cfg.seq_len}. Fix: a longer text or a smaller seq_len."
         )

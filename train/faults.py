@@ -14,7 +14,12 @@ after_finalize_before_cleanup   SIGKILL after the rename, before the manifest is
 during_restore                  SIGKILL while restoring checkpoint ``step``
 enospc                          ``OSError(ENOSPC)`` from the background write of ``step``
 nan                             the batch of step ``step`` is NaN, so its loss is NaN
+sigterm                         the process sends itself SIGTERM once step ``step`` is taken
+sigint                          the process sends itself SIGINT once step ``step`` is taken
 ==============================  ============================================================
+
+The signal points make the signal tests deterministic: the signal arrives at a known step
+boundary instead of whenever a parent process, racing a fast child, gets to send it.
 
 Unset, every hook is a no-op. The variable is read once per process.
 """
@@ -25,8 +30,9 @@ import errno
 import functools
 import os
 import signal
+import time
 
-__all__ = ["ENV", "POINTS", "active", "enospc", "kill_if", "nan_steps"]
+__all__ = ["ENV", "POINTS", "active", "enospc", "kill_if", "nan_steps", "signal_if"]
 
 ENV = "REMAT_NN_FAULT"
 POINTS = (
@@ -38,6 +44,8 @@ POINTS = (
     "during_restore",
     "enospc",
     "nan",
+    "sigterm",
+    "sigint",
 )
 
 
@@ -76,3 +84,22 @@ def enospc(step: int) -> OSError:
 def nan_steps() -> set[int]:
     """Steps whose batch is replaced by NaNs (the ``nan`` fault)."""
     return {s for p, s in _parsed() if p == "nan"}
+
+
+def signal_if(step: int) -> None:
+    """Sends this process SIGTERM / SIGINT if ``sigterm@step`` / ``sigint@step`` is set."""
+    for point, sig in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
+        if active(point, step):
+            print(f"fault injection: {sig.name} at step {step}", flush=True)
+            os.kill(os.getpid(), sig)
+            if _is_multi_process():
+                # Under jax.distributed the notice reaches the other processes asynchronously.
+                # Pausing here, while they wait in the next collective step, lets it arrive, so
+                # the step all processes agree to stop at is the next one: a repeatable test.
+                time.sleep(2.0)
+
+
+def _is_multi_process() -> bool:
+    import jax
+
+    return jax.process_count() > 1

@@ -1,30 +1,33 @@
 """The train loop: ``run(cfg)`` trains, evaluates, checkpoints and logs one configured run.
 
-Read top to bottom: setup, then the step loop with its checkpoint and log sections, then the
-end of the run. The whole train state is donated to the step (``state, metrics =
-train_step(state, batch)`` reuses the old state's buffers); the trainer proves it, from XLA's
-alias bytes when compiling and from the deleted input buffers after the first step.
+A run takes five named steps, each a function below, read top to bottom:
 
-Before anything is written, the run directory is locked (a second trainer exits naming the
-holder) and a config that changed since the checkpoints were written is refused with the diff.
-
-Resume order (on start, unless ``restart``):
-  1. find the newest *verified* checkpoint (orbax only renames a step directory into place when
-     its save finished, and a step's manifest, written after that, must match its leaves' shapes,
-     dtypes and checksums; a step that does not verify is moved aside, see train/checkpoint.py);
-  2. restore the state onto this run's mesh shardings (any device count);
-  3. re-materialise it on device, so the first step donates like every other (jax#18617);
-  4. move the data iterator to the restored position, so batches continue exactly;
-  5. drop lines of metrics.jsonl past the restored step (logged after that checkpoint).
-
-The host syncs only at log, eval and checkpoint steps; in between, steps are dispatched
-asynchronously and their metrics stay on device.
+1. :func:`start` — lock the run directory (a second trainer exits naming the holder) and refuse
+   a config that changed since the checkpoints were written (with the diff). Process 0 decides
+   and every process learns the verdict, so on failure all processes exit at once with the same
+   error instead of waiting for the coordinator's timeout.
+2. :func:`build_experiment` — data, model, mesh, optimizer, and the train step compiled ahead of
+   time with the whole :class:`TrainState` donated (proved from XLA's alias bytes).
+3. :func:`restore_or_init` — resume, in this order (unless ``restart``):
+     a. find the newest *verified* checkpoint (orbax renames a step directory into place only
+        when its save finished; its manifest must match its leaves' shapes, dtypes and
+        checksums; a step that does not verify is moved aside, see train/checkpoint.py);
+     b. restore the state onto this run's mesh shardings (any device count);
+     c. re-materialise it on device, so the first step donates like every other (jax#18617);
+     d. move the data iterator to the restored position, so batches continue exactly;
+     e. drop lines of metrics.jsonl past the restored step (logged after that checkpoint).
+4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
+   eval and checkpoint steps; in between, steps are dispatched asynchronously and their metrics
+   stay on device. SIGTERM / SIGINT stop the loop at a step boundary every process agrees on
+   (:class:`StopSignals`), where it checkpoints.
+5. :func:`finish` — the plot and the summary line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -39,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import yaml
 from jax.experimental import multihost_utils
 from tqdm import tqdm
@@ -50,11 +54,14 @@ from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Config, dump_config
+from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
 from train.state import TrainState
 
 __all__ = [
-    "CheckpointError", "ConfigChangedError", "NonFiniteError", "RunLockedError", "RunResult", "run",
+    "CheckpointError", "ConfigChangedError", "Experiment", "NonFiniteError", "RunLockedError",
+    "RunResult", "SetupError", "StopSignals", "build_experiment", "finish", "restore_or_init",
+    "run", "start", "train_loop",
 ]  # fmt: skip
 
 
@@ -107,8 +114,8 @@ def run(
     Args:
       cfg: the validated config.
       restart: delete the run directory's checkpoints and metrics and start from step 0.
-      dry_run: build everything, print parameters and memory (remat plan residuals and XLA's
-        compiled memory of the step), and return without training.
+      dry_run: build everything, print parameters, weight decay, matmul dtypes and memory (remat
+        plan residuals and XLA's compiled memory of the step), and return without training.
       stop_after: take at most this many steps in this invocation, then checkpoint and return
         (as a preemption would); rerun to continue.
       out: where log lines go (default: print, or above the progress bar).
@@ -126,31 +133,201 @@ def run(
       CheckpointError: no checkpoint verifies, one does not fit the config, or a save failed.
       ConfigChangedError: the config changed since the checkpoints were written.
       RunLockedError: another process trains into the same run directory.
+      SetupError: the config does not fit the data, the devices or the machine.
       state_lib.DonationError: the step did not donate the state.
     """
-    kwargs = dict(restart=restart, dry_run=dry_run, stop_after=stop_after, out=out,
-                  allow_config_change=allow_config_change, allow_dtype_cast=allow_dtype_cast,
-                  max_consecutive_skips=max_consecutive_skips)  # fmt: skip
-    if dry_run or jax.process_index() != 0:
-        return _run(cfg, **kwargs)
-    run_dir = cfg.resolved_run_dir.absolute()
-    lock = integrity.RunLock(run_dir)  # held until the run returns
-    try:
-        if not restart:  # refused before anything is built
-            _check_config_change(run_dir, cfg, allow=allow_config_change, say=_printer(out, True))
-        return _run(cfg, **kwargs)
-    finally:
-        lock.release()
-
-
-def _run(
-    cfg: Config, *, restart: bool, dry_run: bool, stop_after: int | None,
-    out: Callable[[str], None] | None, allow_config_change: bool, allow_dtype_cast: bool,
-    max_consecutive_skips: int,
-) -> RunResult:  # fmt: skip
     t_start = time.perf_counter()
+    say = _printer(out, jax.process_index() == 0)
+    if dry_run:
+        exp = build_experiment(cfg, say=say, out=out, restart=False, dry_run=True)
+        dry_run_report(exp)
+        return RunResult(0, None, run_dir=exp.run_dir, seconds=_since(t_start))
 
-    # ============================== setup ==============================
+    lock = start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
+    try:
+        exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
+        _prepare_run_dir(exp, restart=restart)
+        ckpt = Checkpointer(
+            exp.run_dir / "checkpoints", cfg.checkpoint,
+            config_hash=integrity.config_hash(cfg.model_dump(mode="json")),
+            warn=lambda s: print(s, file=sys.stderr, flush=True),
+        )  # fmt: skip
+        try:
+            if ckpt.removed_tmp:
+                say(f"removed unfinished saves of a killed run: {', '.join(ckpt.removed_tmp)}")
+            state, resume = restore_or_init(exp, ckpt, allow_dtype_cast=allow_dtype_cast)
+            if resume.step >= cfg.train.steps:
+                say(_already_complete(cfg, resume.step, exp.run_dir))
+                return RunResult(resume.step, state, run_dir=exp.run_dir,
+                                 resumed_from=resume.step, seconds=_since(t_start))  # fmt: skip
+            outcome = train_loop(
+                exp, ckpt, state, resume,
+                stop_after=stop_after, max_consecutive_skips=max_consecutive_skips,
+            )  # fmt: skip
+        finally:
+            try:
+                ckpt.wait()  # raises if the last save failed (e.g. disk full)
+            finally:
+                ckpt.close()
+        return finish(exp, outcome, resumed_from=resume.checkpoint, seconds=_since(t_start))
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# ============================== 1. start-up ==============================
+
+# Start-up failures every process re-raises as the same class (any other: RuntimeError).
+_SHARED_ERRORS: tuple[type[Exception], ...] = (
+    RunLockedError, ConfigChangedError, CheckpointError, SetupError,
+)  # fmt: skip
+_MESSAGE_BYTES = 16384
+
+
+def start(
+    cfg: Config, *, restart: bool, allow_config_change: bool, say: Callable[[str], None]
+) -> integrity.RunLock | None:
+    """Locks the run directory and checks the config, on process 0; shared with every process.
+
+    Returns:
+      The lock (held by process 0 until the run returns; None elsewhere).
+
+    Raises:
+      RunLockedError, ConfigChangedError: on every process, when process 0's check fails.
+    """
+    run_dir = cfg.resolved_run_dir.absolute()
+    lock, failure = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = integrity.RunLock(run_dir)
+            if not restart:  # refused before anything is built
+                _check_config_change(run_dir, cfg, allow=allow_config_change, say=say)
+        except Exception as e:
+            failure = e
+            if lock is not None:
+                lock.release()
+    share_verdict(failure, what="start-up")
+    return lock
+
+
+def share_verdict(failure: BaseException | None, *, what: str) -> None:
+    """Makes process 0's decision every process's: all raise the same error, or none does.
+
+    Process 0 broadcasts whether (and how) its check failed; the others raise the same error
+    class with process 0's message. On a single process it re-raises ``failure``.
+    """
+    if jax.process_count() == 1 or jax.process_index() == 0:
+        code, text = _encode_failure(failure)
+    else:
+        code, text = 0, ""
+    if jax.process_count() > 1:
+        payload = np.zeros(_MESSAGE_BYTES + 1, np.int32)
+        raw = text.encode()[:_MESSAGE_BYTES]
+        payload[0] = code
+        payload[1 : 1 + len(raw)] = np.frombuffer(raw, np.uint8)
+        payload = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+        code = int(payload[0])
+        text = bytes(payload[1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+    if failure is not None:
+        raise failure
+    if code:
+        kind = _SHARED_ERRORS[code - 1] if code <= len(_SHARED_ERRORS) else RuntimeError
+        raise kind(f"process 0 failed at {what}: {text}")
+
+
+def _encode_failure(failure: BaseException | None) -> tuple[int, str]:
+    if failure is None:
+        return 0, ""
+    for i, kind in enumerate(_SHARED_ERRORS):
+        if isinstance(failure, kind):
+            return i + 1, str(failure)
+    return len(_SHARED_ERRORS) + 1, f"{type(failure).__name__}: {failure}"
+
+
+def _check_config_change(
+    run_dir: Path, cfg: Config, *, allow: bool, say: Callable[[str], None]
+) -> None:
+    # Only checkpoints make a changed config matter: without them the run starts afresh.
+    ckpts = run_dir / "checkpoints"
+    if not (run_dir / "config.yaml").exists() or not ckpts.is_dir():
+        return
+    if not any(p.name.isdigit() for p in ckpts.iterdir()):
+        return
+    old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
+    if unsafe and not allow:
+        raise ConfigChangedError(
+            f"the config differs from the one {run_dir} was trained with (config.yaml):\n"
+            + "\n".join(unsafe)
+            + "\nFix: rerun with the old values, use another run_dir or --restart, or pass "
+            "--allow-config-change to resume with the new ones."
+        )
+    if unsafe or safe:
+        say("config changed since the last run (resuming):\n" + "\n".join(unsafe + safe))
+
+
+# ============================== 2. the experiment ==============================
+
+
+@dataclass
+class Experiment:
+    """Everything a run builds from its config before the first step.
+
+    Attributes:
+      cfg: the config.
+      dataset: the loaded data.
+      model: the flax module, with its remat plan and compute dtype.
+      options: the model's options as built (data-derived values filled in).
+      mesh: the device mesh; ``global_batch`` is split over all of it.
+      state_shardings: the train state's shardings (a pytree like the state).
+      abstract: the train state as ``ShapeDtypeStruct`` with shardings.
+      init: ``init() -> TrainState`` (jit it with ``out_shardings=state_shardings``).
+      tx: the optimizer.
+      step_fn: the train step before jit (the dry run measures it).
+      jit_kwargs: shardings and donation the step is compiled with.
+      train_step: the compiled step; ``train_step(state, batch)`` donates ``state``.
+      eval_step: the jitted eval step (adds to running sums).
+    """
+
+    cfg: Config
+    dataset: data_lib.Dataset
+    model: Any
+    options: dict[str, Any]
+    mesh: jax.sharding.Mesh
+    global_batch: int
+    batch_sharding: Any
+    replicated: Any
+    state_shardings: Any
+    abstract: TrainState
+    init: Callable[[], TrainState]
+    tx: optax.GradientTransformation
+    step_fn: Callable[..., Any]
+    jit_kwargs: dict[str, Any]
+    train_step: Any
+    eval_step: Any
+    compute_dtype: Any
+    has_batch_stats: bool
+    say: Callable[[str], None]
+    out: Callable[[str], None] | None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.resolved_run_dir.absolute()
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+
+def build_experiment(
+    cfg: Config,
+    *,
+    say: Callable[[str], None],
+    out: Callable[[str], None] | None = None,
+    restart: bool = False,
+    dry_run: bool = False,
+) -> Experiment:
+    """Loads the data, builds the model and optimizer, and compiles the donated train step."""
     is_main = jax.process_index() == 0
     if cfg.train.compile_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update(
@@ -166,19 +343,18 @@ def _run(
     batch_sh = sharding_lib.batch_sharding(mesh)
     repl = sharding_lib.replicated(mesh)
 
-    tx, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
+    tx, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
     example = dataset.example_batch(1)
     init = state_lib.make_init(
         model, tx, jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype), seed=cfg.train.seed
     )
-    abstract = unsharded = jax.eval_shape(init)
-    state_sh = sharding_lib.state_shardings(abstract, mesh, min_size=cfg.mesh.fsdp_min_size)
+    unsharded = jax.eval_shape(init)
+    state_sh = sharding_lib.state_shardings(unsharded, mesh, min_size=cfg.mesh.fsdp_min_size)
     abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unsharded, state_sh
     )
     has_bn = bool(jax.tree.leaves(abstract.batch_stats))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
-    say = _printer(out, is_main)
     say(
         f"model {cfg.model.name}: {n_params:,} params | data {dataset.name}: "
         f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "
@@ -229,243 +405,27 @@ def _run(
         out_shardings=repl,
         donate_argnums=2,
     )
-    alias_bytes = None
     if cfg.train.verify_donation:
         alias_bytes = state_lib.verify_donation(train_step, abstract)
-
-    if alias_bytes is not None:
         say(f"donation: XLA aliases {_fmt_bytes(alias_bytes)} per device (the whole train state)")
-
-    if dry_run:
-        _dry_run_report(say, cfg, step_fn, jit_kwargs, init, state_sh, abstract, dataset,
-                        global_bs, batch_sh, compute_dtype, has_bn, model)  # fmt: skip
-        return RunResult(0, None, run_dir=cfg.resolved_run_dir, seconds=_since(t_start))
-
-    run_dir = cfg.resolved_run_dir.absolute()
-    metrics_path = run_dir / "metrics.jsonl"
-    if is_main:
-        if restart and run_dir.exists():
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            metrics_path.unlink(missing_ok=True)
-            (run_dir / "plot.png").unlink(missing_ok=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-    _sync("run_dir")
-    ckpt = Checkpointer(
-        run_dir / "checkpoints", cfg.checkpoint,
-        config_hash=integrity.config_hash(cfg.model_dump(mode="json")),
-        warn=lambda s: print(s, file=sys.stderr, flush=True),
+    return Experiment(
+        cfg=cfg, dataset=dataset, model=model, options=options, mesh=mesh,
+        global_batch=global_bs, batch_sharding=batch_sh, replicated=repl,
+        state_shardings=state_sh, abstract=abstract, init=init, tx=tx, step_fn=step_fn,
+        jit_kwargs=jit_kwargs, train_step=train_step, eval_step=eval_step,
+        compute_dtype=compute_dtype, has_batch_stats=has_bn, say=say, out=out,
     )  # fmt: skip
-    if ckpt.removed_tmp:
-        say(f"removed unfinished saves of a killed run: {', '.join(ckpt.removed_tmp)}")
-
-    # Resume (the order is in the module docstring).
-    start, resumed_from, position, latest = 0, None, 0, None
-    found = ckpt.restore_latest(abstract, allow_dtype_cast=allow_dtype_cast)  # 1, 2
-    if found is not None:
-        restored, meta, latest = found
-        state = state_lib.copy_state(restored, state_sh)  # 3: fresh buffers, donatable
-        del restored
-        start = resumed_from = int(meta["step"])
-        position = int(meta["data_position"])  # 4
-        if is_main:
-            _truncate_metrics(metrics_path, start)  # 5
-        say(f"resumed from {ckpt.directory / str(latest)} (step {start})")
-    else:
-        state = jax.jit(init, out_shardings=state_sh)()
-    # One buffer at two leaves would be donated twice; say which leaves, before the first step.
-    state_lib.check_distinct_buffers(state)
-    if start >= cfg.train.steps:
-        ckpt.close()
-        say(f"run already complete: step {start}/{cfg.train.steps} in {run_dir}; nothing to do "
-            "(raise train.steps to continue, or --restart to train again)")  # fmt: skip
-        return RunResult(start, state, run_dir=run_dir, resumed_from=start, seconds=_since(t_start))
-    nan_steps = faults.nan_steps()  # fault injection: these steps get a NaN batch
-    if nan_steps and not jnp.issubdtype(example["x"].dtype, jnp.floating):
-        raise ValueError(f"{faults.ENV}: nan@<step> needs float inputs; {dataset.name} has ints")
-    batches = data_lib.Batches(
-        dataset, global_batch=global_bs, seed=cfg.train.seed, position=position,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    )  # fmt: skip
-    metrics_file = open(metrics_path, "a") if is_main else None  # closed in the finally below
-
-    def evaluate(state: TrainState) -> dict[str, float]:
-        sums = jax.device_put(state_lib.eval_zeros(), repl)
-        for local in data_lib.eval_batches(
-            dataset, global_batch=global_bs, max_batches=cfg.train.eval_batches,
-            process_index=jax.process_index(), process_count=jax.process_count(),
-        ):  # fmt: skip
-            sums = eval_step(state, sharding_lib.global_batch(local, batch_sh), sums)
-        s = jax.device_get(sums)
-        count = max(float(s["count"]), 1.0)
-        return {"loss": float(s["loss_sum"]) / count, "accuracy": float(s["correct"]) / count}
-
-    def record(kind: str, step: int, values: dict[str, Any]) -> None:
-        if metrics_file is not None:
-            metrics_file.write(json.dumps({"split": kind, "step": step, **values}) + "\n")
-            metrics_file.flush()
-
-    # A signal only sets a flag; the loop saves at the next step boundary and stops.
-    stop_signal: list[int] = []
-    restore_handlers = _install_signal_handlers(stop_signal)
-
-    total = cfg.train.steps
-    end = total if stop_after is None else min(total, start + stop_after)
-    bar = tqdm(
-        total=total, initial=start, disable=not _progress_enabled(cfg, is_main),
-        dynamic_ncols=True, unit="step",
-    )  # fmt: skip
-    if not bar.disable:
-        say = _printer(out or tqdm.write, is_main)
-    pending: list[dict[str, jax.Array]] = []  # device metrics since the last drain
-    window: list[dict[str, float]] = []  # host metrics since the last log line
-    skipped = consecutive_skips = 0
-    last_lr = [float("nan")]  # lr of the latest drained step
-    last_eval: dict[str, float] | None = None
-    last_eval_step = -1
-    last_ckpt = latest
-    t_log, step_log = time.perf_counter(), start
-
-    def drain(step: int) -> None:
-        # The only host sync of the loop: fetch pending step metrics, check they are finite.
-        nonlocal skipped, consecutive_skips
-        host = jax.device_get(pending)
-        pending.clear()
-        if host:
-            last_lr[0] = float(host[-1]["lr"])
-        for i, m in enumerate(host):
-            if not bool(m["finite"]):
-                bad = step - len(host) + i + 1
-                if cfg.train.on_nonfinite == "halt":
-                    raise NonFiniteError(
-                        f"loss or gradient is not finite at step {bad} (loss={float(m['loss'])}, "
-                        f"grad_norm={float(m['grad_norm'])}). Halted without saving; the last "
-                        f"good checkpoint is step {last_ckpt} in {ckpt.directory}. Fix: lower "
-                        "optim.lr, set optim.clip_norm, or train.on_nonfinite=skip."
-                    )
-                skipped += 1
-                consecutive_skips += 1
-                if consecutive_skips >= max_consecutive_skips:
-                    raise NonFiniteError(
-                        f"loss or gradient is not finite at step {bad}: {consecutive_skips} "
-                        f"consecutive steps skipped (train.on_nonfinite=skip). Halted; the last "
-                        f"good checkpoint is step {last_ckpt} in {ckpt.directory}. Fix: lower "
-                        "optim.lr or set optim.clip_norm."
-                    )
-                continue
-            consecutive_skips = 0
-            window.append({k: float(v) for k, v in m.items()})
-
-    step = start
-    try:
-        while step < end and not stop_signal:
-            # ============================== step ==============================
-            batch = sharding_lib.global_batch(next(batches), batch_sh)
-            if step + 1 in nan_steps:
-                batch = {**batch, "x": batch["x"] * jnp.nan}
-            first = step == start and cfg.train.verify_donation
-            donated = jax.tree_util.tree_leaves_with_path(state) if first else None
-            state, metrics = train_step(state, batch)  # donates `state`: its buffers are reused
-            del batch
-            if donated is not None:
-                state_lib.verify_donated_inputs_deleted(donated)
-                del donated
-            step += 1
-            pending.append(metrics)
-            bar.update(1)
-            is_log = step % cfg.train.log_every == 0 or step == end
-            is_eval = step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-            is_ckpt = step % cfg.checkpoint.every == 0 or step == end
-            if is_log or is_eval or is_ckpt:
-                drain(step)
-
-            # ============================== log ==============================
-            if is_log:
-                now = time.perf_counter()
-                rate = (step - step_log) / max(now - t_log, 1e-9)
-                line = {
-                    "loss": _mean(window, "loss"),
-                    "accuracy": _mean(window, "accuracy"),
-                    "grad_norm": _mean(window, "grad_norm"),
-                    "lr": last_lr[0],
-                    "steps_per_sec": rate,
-                    "examples_per_sec": rate * global_bs,
-                    "epoch": batches.epoch,
-                    "skipped": skipped,
-                }
-                window.clear()
-                t_log, step_log = now, step
-                record("train", step, line)
-                say(
-                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | acc "
-                    f"{line['accuracy']:.3f} | lr {line['lr']:.3g} | {rate:.2f} steps/s | "
-                    f"{rate * global_bs:.0f} ex/s" + (f" | skipped {skipped}" if skipped else "")
-                )
-                bar.set_postfix(loss=f"{line['loss']:.3f}", acc=f"{line['accuracy']:.3f}")
-            if is_eval:
-                last_eval, last_eval_step = evaluate(state), step
-                record("eval", step, last_eval)
-                say(
-                    f"eval @ {step}: loss {last_eval['loss']:.4f} | accuracy "
-                    f"{last_eval['accuracy']:.4f}"
-                )
-                t_log = time.perf_counter()  # eval time does not count against steps/s
-
-            # ============================== checkpoint ==============================
-            if is_ckpt:
-                # Steps up to here were checked finite by drain(); the eval (if this step had
-                # one) ranks the checkpoint for keep_best.
-                ranked = None
-                if last_eval is not None and last_eval_step == step:
-                    ranked = {f"eval_{k}": v for k, v in last_eval.items()}
-                if ckpt.save(step, state, data_position=batches.position, metrics=ranked,
-                             force=step == end):  # fmt: skip
-                    last_ckpt = step
-
-        if stop_signal:
-            drain(step)
-            if ckpt.save(step, state, data_position=batches.position, force=True):
-                last_ckpt = step
-            name = signal.Signals(stop_signal[0]).name
-            say(f"{name}: saved checkpoint at step {step}; rerun the same command to resume")
-    finally:
-        bar.close()
-        restore_handlers()
-        try:
-            ckpt.wait()  # raises if the last save failed (e.g. disk full)
-        finally:
-            ckpt.close()
-            if metrics_file is not None:
-                metrics_file.close()
-
-    # ============================== end ==============================
-    if is_main and cfg.train.plot and step == total:
-        from train.plot import plot_run
-
-        say(f"plot: {plot_run(run_dir)}")
-    seconds = _since(t_start)
-    if last_eval is not None and step == total:
-        say(
-            f"done: {step} steps in {seconds:.1f}s | test accuracy {last_eval['accuracy']:.4f} | "
-            f"run directory {run_dir}"
-        )
-    return RunResult(
-        step=step,
-        state=state,
-        eval=last_eval,
-        interrupted=signal.Signals(stop_signal[0]).name if stop_signal else None,
-        run_dir=run_dir,
-        resumed_from=resumed_from,
-        seconds=seconds,
-    )
 
 
-# --- helpers ------------------------------------------------------------------------------------
+def _schedule_steps(cfg: Config) -> int:
+    # The steps the learning-rate schedule spans: extending a run keeps it (optim.schedule_steps).
+    return cfg.optim.schedule_steps or cfg.train.steps
 
 
 def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[str, Any]:
     # Options the data decides (classes, vocabulary, image size and channels) are filled in when
     # the model has them and the config does not set them; a set value must agree with the data.
+    # The compute dtype is one knob: train.compute_dtype sets the model's `dtype` option.
     opts = cfg.model_options()
     fields = spec.options.model_fields
     from_data: dict[str, int | None] = {"num_classes": dataset.num_classes,
@@ -479,11 +439,19 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
         too_small = key in ("num_classes", "vocab_size") and opts.get(key, value) < value
         differs = key in ("image_size", "in_channels") and opts.get(key, value) != value
         if too_small or differs:
-            raise ValueError(
+            raise SetupError(
                 f"model.options.{key}={opts[key]} does not fit the data ({dataset.name}: {value}). "
                 f"Fix: drop model.options.{key} (it is filled from the data)."
             )
         opts.setdefault(key, value)
+    if "dtype" in fields:
+        compute = cfg.train.compute_dtype
+        if str(opts.setdefault("dtype", compute)) != compute:
+            raise SetupError(
+                f"model.options.dtype={opts['dtype']} differs from train.compute_dtype={compute}. "
+                f"Fix: drop model.options.dtype; train.compute_dtype sets the model's compute "
+                "dtype (master weights stay float32)."
+            )
     return opts
 
 
@@ -503,7 +471,7 @@ def _check_offload(options: dict[str, Any], mode: str, say: Callable[[str], None
         "expect no memory saving here (set train.offload_on_cpu=error to refuse)"
     )
     if mode == "error":
-        raise ValueError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
+        raise SetupError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
     say(f"warning: {msg}")
 
@@ -520,62 +488,61 @@ def _global_batch_size(cfg: Config, num_devices: int) -> int:
         return cfg.data.batch_size_per_device * num_devices
     bs = cfg.data.batch_size or 0
     if bs % num_devices:
-        raise ValueError(
+        raise SetupError(
             f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. Fix: a "
             f"multiple of {num_devices}, or set data.batch_size_per_device."
         )
     return bs
 
 
-def _printer(out: Callable[[str], None] | None, is_main: bool) -> Callable[[str], None]:
-    sink = out or (lambda s: print(s, flush=True))
-    return sink if is_main else (lambda s: None)
+def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
+    # Process 0 clears a restarted run and records the config; the others wait for it.
+    if exp.is_main:
+        if restart and exp.run_dir.exists():
+            shutil.rmtree(exp.run_dir / "checkpoints", ignore_errors=True)
+            (exp.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (exp.run_dir / "plot.png").unlink(missing_ok=True)
+        exp.run_dir.mkdir(parents=True, exist_ok=True)
+        (exp.run_dir / "config.yaml").write_text(dump_config(exp.cfg))
+    _sync("run_dir")
 
 
-def _progress_enabled(cfg: Config, is_main: bool) -> bool:
-    if not is_main or cfg.train.progress == "off":
-        return False
-    return cfg.train.progress == "on" or sys.stderr.isatty()
+# ============================== 3. restore ==============================
 
 
-def _install_signal_handlers(flag: list[int]) -> Callable[[], None]:
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {}
+@dataclass(frozen=True)
+class Resume:
+    """Where a run starts: the step, the data position, and the checkpoint it came from."""
 
-    def handler(signum: int, frame: Any) -> None:
-        flag.append(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
-
-    return restore
+    step: int = 0
+    data_position: int = 0
+    checkpoint: int | None = None
 
 
-def _check_config_change(
-    run_dir: Path, cfg: Config, *, allow: bool, say: Callable[[str], None]
-) -> None:
-    # Only checkpoints make a changed config matter: without them the run starts afresh.
-    ckpts = run_dir / "checkpoints"
-    if not (run_dir / "config.yaml").exists() or not ckpts.is_dir():
-        return
-    if not any(p.name.isdigit() for p in ckpts.iterdir()):
-        return
-    old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
-    if unsafe and not allow:
-        raise ConfigChangedError(
-            f"the config differs from the one {run_dir} was trained with (config.yaml):\n"
-            + "\n".join(unsafe)
-            + "\nFix: rerun with the old values, use another run_dir or --restart, or pass "
-            "--allow-config-change to resume with the new ones."
-        )
-    if unsafe or safe:
-        say("config changed since the last run (resuming):\n" + "\n".join(unsafe + safe))
+def restore_or_init(
+    exp: Experiment, ckpt: Checkpointer, *, allow_dtype_cast: bool
+) -> tuple[TrainState, Resume]:
+    """The newest verified checkpoint's state (steps a-e of the module docstring), or a fresh one.
+
+    Raises:
+      CheckpointError: steps exist but none verifies, or the newest does not fit the config.
+      state_lib.DonationError: one buffer at two leaves of the state.
+    """
+    found = ckpt.restore_latest(exp.abstract, allow_dtype_cast=allow_dtype_cast)  # a, b
+    if found is None:
+        state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+        resume = Resume()
+    else:
+        restored, meta, latest = found
+        state = state_lib.copy_state(restored, exp.state_shardings)  # c: fresh, donatable
+        del restored
+        resume = Resume(int(meta["step"]), int(meta["data_position"]), latest)  # d
+        if exp.is_main:
+            _truncate_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
+        exp.say(f"resumed from {ckpt.directory / str(latest)} (step {resume.step})")
+    # One buffer at two leaves would be donated twice; say which leaves, before the first step.
+    state_lib.check_distinct_buffers(state)
+    return state, resume
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -589,14 +556,360 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+def _already_complete(cfg: Config, step: int, run_dir: Path) -> str:
+    extend = f"train.steps=<more> optim.schedule_steps={_schedule_steps(cfg)}"
+    if cfg.optim.schedule == "constant":
+        extend = "train.steps=<more>"
+    return (
+        f"run already complete: step {step}/{cfg.train.steps} in {run_dir}; nothing to do. To "
+        f"train further on the same learning-rate schedule rerun with {extend}; --restart "
+        "trains again from step 0."
+    )
+
+
+# ============================== 4. the loop ==============================
+
+
+@dataclass
+class Outcome:
+    """How :func:`train_loop` ended."""
+
+    step: int
+    state: TrainState
+    eval: dict[str, float] | None
+    interrupted: str | None
+
+
+class StopSignals:
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop at a step every process agrees on.
+
+    One process: a handler records the signal; the loop stops after the step in flight.
+    Several processes: a signal reaches one process, but the save is collective, so all must
+    stop at the same step. JAX's preemption service (started by ``jax.distributed``) catches
+    SIGTERM on any process and agrees the step
+    (``multihost_utils.reached_preemption_sync_point``, asked at every step, as MaxText does);
+    SIGINT is forwarded to it as this process's SIGTERM. The signal reported (and so the exit
+    code) is agreed too: the largest signal number any process recorded, SIGTERM by default.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._multi = jax.process_count() > 1
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            # Under jax.distributed, SIGTERM belongs to JAX's preemption notifier.
+            mine = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
+            for sig in mine:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        if self._multi:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to checkpoint and stop after ``step`` steps (the same on every process)."""
+        if self._multi:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.received is not None
+
+    def agreed_name(self) -> str:
+        """The signal that stopped the run, the same on every process."""
+        signum = self.received or 0
+        if self._multi:
+            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        return signal.Signals(signum or signal.SIGTERM).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _StepMetrics:
+    """Step metrics: on device until a host sync (:meth:`drain`), then a window until logged."""
+
+    def __init__(self, *, halt: bool, max_consecutive_skips: int):
+        self.halt, self.max_consecutive_skips = halt, max_consecutive_skips
+        self.pending: list[dict[str, jax.Array]] = []  # device metrics since the last drain
+        self.window: list[dict[str, float]] = []  # finite host metrics since the last log line
+        self.skipped = self.consecutive_skips = 0
+        self.lr = float("nan")  # lr of the latest drained step
+
+    def drain(self, step: int, *, last_good: str) -> None:
+        """Fetches pending metrics (the loop's only host sync) and checks they are finite.
+
+        Raises:
+          NonFiniteError: a non-finite step with ``halt``, or too many skipped in a row.
+        """
+        host = jax.device_get(self.pending)
+        self.pending.clear()
+        if host:
+            self.lr = float(host[-1]["lr"])
+        for i, m in enumerate(host):
+            if bool(m["finite"]):
+                self.consecutive_skips = 0
+                self.window.append({k: float(v) for k, v in m.items()})
+                continue
+            bad = step - len(host) + i + 1
+            if self.halt:
+                raise NonFiniteError(
+                    f"loss or gradient is not finite at step {bad} (loss={float(m['loss'])}, "
+                    f"grad_norm={float(m['grad_norm'])}). Halted without saving; the last good "
+                    f"checkpoint is {last_good}. Fix: lower optim.lr, set optim.clip_norm, or "
+                    "train.on_nonfinite=skip."
+                )
+            self.skipped += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise NonFiniteError(
+                    f"loss or gradient is not finite at step {bad}: {self.consecutive_skips} "
+                    f"consecutive steps skipped (train.on_nonfinite=skip). Halted; the last good "
+                    f"checkpoint is {last_good}. Fix: lower optim.lr or set optim.clip_norm."
+                )
+
+    def mean(self, key: str) -> float:
+        # Mean over the finite steps of the window; NaN if every step was skipped.
+        return float(np.mean([r[key] for r in self.window])) if self.window else float("nan")
+
+
+def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
+    """Loss and accuracy on the test split (at most ``train.eval_batches`` batches)."""
+    sums = jax.device_put(state_lib.eval_zeros(), exp.replicated)
+    for local in data_lib.eval_batches(
+        exp.dataset, global_batch=exp.global_batch, max_batches=exp.cfg.train.eval_batches,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    ):  # fmt: skip
+        sums = exp.eval_step(state, sharding_lib.global_batch(local, exp.batch_sharding), sums)
+    s = jax.device_get(sums)
+    count = max(float(s["count"]), 1.0)
+    return {"loss": float(s["loss_sum"]) / count, "accuracy": float(s["correct"]) / count}
+
+
+class _MetricsFile:
+    """metrics.jsonl, one JSON line per log or eval (process 0 only)."""
+
+    def __init__(self, path: Path, *, enabled: bool):
+        self._f = open(path, "a") if enabled else None  # noqa: SIM115 (closed by close())
+
+    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def train_loop(
+    exp: Experiment,
+    ckpt: Checkpointer,
+    state: TrainState,
+    resume: Resume,
+    *,
+    stop_after: int | None = None,
+    max_consecutive_skips: int = 10,
+) -> Outcome:
+    """Steps from ``resume`` to ``train.steps`` (or ``stop_after`` more, or a signal).
+
+    ``state`` is donated to the first step: do not use it after the call.
+    """
+    cfg = exp.cfg
+    total = cfg.train.steps
+    end = total if stop_after is None else min(total, resume.step + stop_after)
+    nan_steps = faults.nan_steps()  # fault injection: these steps get a NaN batch
+    if nan_steps and not jnp.issubdtype(exp.dataset.example_batch(1)["x"].dtype, jnp.floating):
+        raise SetupError(
+            f"{faults.ENV}: nan@<step> needs float inputs; {exp.dataset.name} has ints"
+        )
+    batches = data_lib.Batches(
+        exp.dataset, global_batch=exp.global_batch, seed=cfg.train.seed,
+        position=resume.data_position,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    )  # fmt: skip
+    metrics = _StepMetrics(
+        halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
+    )
+    log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
+    stop = StopSignals()
+    bar = tqdm(
+        total=total, initial=resume.step, disable=not _progress_enabled(cfg, exp.is_main),
+        dynamic_ncols=True, unit="step",
+    )  # fmt: skip
+    say = exp.say if bar.disable else _printer(exp.out or tqdm.write, exp.is_main)
+    step, last_ckpt = resume.step, resume.checkpoint
+    last_eval: dict[str, float] | None = None
+    interrupted: str | None = None
+    t_log, step_log = time.perf_counter(), step
+    try:
+        while step < end:
+            # ============================== step ==============================
+            batch = sharding_lib.global_batch(next(batches), exp.batch_sharding)
+            if step + 1 in nan_steps:
+                batch = {**batch, "x": batch["x"] * jnp.nan}
+            first = step == resume.step and cfg.train.verify_donation
+            donated = jax.tree_util.tree_leaves_with_path(state) if first else None
+            state, step_metrics = exp.train_step(state, batch)  # donates `state`
+            del batch
+            if donated is not None:
+                state_lib.verify_donated_inputs_deleted(donated)
+                del donated
+            step += 1
+            metrics.pending.append(step_metrics)
+            bar.update(1)
+            faults.signal_if(step)
+            stopping = stop.stop_at(step)
+            is_log = step % cfg.train.log_every == 0 or step == end or stopping
+            every_eval = cfg.train.eval_every
+            is_eval = step == total or bool(every_eval and step % every_eval == 0)
+            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping
+            if is_log or is_eval or is_ckpt:
+                where = f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None else "none"
+                metrics.drain(step, last_good=where)
+
+            # ============================== log ==============================
+            if is_log:
+                now = time.perf_counter()
+                rate = (step - step_log) / max(now - t_log, 1e-9)
+                line = {
+                    "loss": metrics.mean("loss"), "accuracy": metrics.mean("accuracy"),
+                    "grad_norm": metrics.mean("grad_norm"), "lr": metrics.lr,
+                    "steps_per_sec": rate, "examples_per_sec": rate * exp.global_batch,
+                    "epoch": batches.epoch, "skipped": metrics.skipped,
+                }  # fmt: skip
+                metrics.window.clear()
+                t_log, step_log = now, step
+                log.record("train", step, line)
+                say(
+                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | acc "
+                    f"{line['accuracy']:.3f} | lr {line['lr']:.3g} | {rate:.2f} steps/s | "
+                    f"{rate * exp.global_batch:.0f} ex/s"
+                    + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
+                )
+                bar.set_postfix(loss=f"{line['loss']:.3f}", acc=f"{line['accuracy']:.3f}")
+            if is_eval:
+                last_eval = evaluate(exp, state)
+                log.record("eval", step, last_eval)
+                say(
+                    f"eval @ {step}: loss {last_eval['loss']:.4f} | accuracy "
+                    f"{last_eval['accuracy']:.4f}"
+                )
+                t_log = time.perf_counter()  # eval time does not count against steps/s
+
+            # ============================== checkpoint ==============================
+            if is_ckpt:
+                # Steps up to here were checked finite by the drain; this step's eval (if it had
+                # one) ranks the checkpoint for keep_best.
+                ranked = None
+                if is_eval and last_eval is not None:
+                    ranked = {f"eval_{k}": v for k, v in last_eval.items()}
+                if ckpt.save(step, state, data_position=batches.position, metrics=ranked,
+                             force=step == end or stopping):  # fmt: skip
+                    last_ckpt = step
+            if stopping:
+                interrupted = stop.agreed_name()
+                say(f"{interrupted}: saved checkpoint at step {step}; rerun the same command "
+                    "to resume")  # fmt: skip
+                break
+    finally:
+        bar.close()
+        stop.restore()
+        log.close()
+    return Outcome(step, state, last_eval, interrupted)
+
+
+# ============================== 5. finish ==============================
+
+
+def finish(
+    exp: Experiment, outcome: Outcome, *, resumed_from: int | None, seconds: float
+) -> RunResult:
+    """Plots the curves and says the result, once the last step is taken."""
+    done = outcome.step == exp.cfg.train.steps
+    if exp.is_main and exp.cfg.train.plot and done:
+        from train.plot import plot_run
+
+        exp.say(f"plot: {plot_run(exp.run_dir)}")
+    if outcome.eval is not None and done:
+        exp.say(
+            f"done: {outcome.step} steps in {seconds:.1f}s | test accuracy "
+            f"{outcome.eval['accuracy']:.4f} | run directory {exp.run_dir}"
+        )
+    return RunResult(
+        step=outcome.step, state=outcome.state, eval=outcome.eval,
+        interrupted=outcome.interrupted, run_dir=exp.run_dir, resumed_from=resumed_from,
+        seconds=seconds,
+    )  # fmt: skip
+
+
+# ============================== dry run ==============================
+
+
+def dry_run_report(exp: Experiment) -> None:
+    """Prints what a run would train, before it does: parameters, weight decay, matmul dtypes,
+    the remat plan's residuals and XLA's compiled memory of the step."""
+    import remat_nn as rn
+    from train.dtypes import matmul_operand_dtypes
+
+    say, cfg = exp.say, exp.cfg
+    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+    say("parameters:")
+    for path, n in _param_groups(state.params):
+        say(f"  {path:<40} {n:>12,}")
+    say(f"  {'total':<40} {sum(math.prod(p.shape) for p in jax.tree.leaves(state.params)):>12,}")
+    if cfg.optim.weight_decay:
+        say(state_lib.decay_summary(state.params, cfg.optim.decay_exclude))
+    else:
+        say("weight decay: off (optim.weight_decay=0)")
+    local = exp.dataset.examples(np.arange(exp.global_batch) % exp.dataset.num_examples("train"))
+    batch = sharding_lib.global_batch(local, exp.batch_sharding)
+    loss_fn = state_lib.make_loss_fn(
+        exp.model, compute_dtype=exp.compute_dtype, has_batch_stats=exp.has_batch_stats
+    )
+    key = jax.random.key(0)
+
+    def loss_of_params(params):
+        return loss_fn(params, state.batch_stats, batch, key)[0]
+
+    counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
+    say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
+    plan = cfg.remat if cfg.remat is not None else cfg.model.options.get("remat")
+    say(f"remat plan: {plan if plan is not None else '(the model default)'}")
+    say("memory report (residuals saved for the backward pass):")
+    say(str(rn.memory_report(loss_of_params, state.params)))
+    say("XLA compiled memory of the train step (per device, state donated):")
+    say(str(rn.compiled_memory(exp.step_fn, exp.abstract, _abstract(batch),
+                               jit_kwargs=exp.jit_kwargs)))  # fmt: skip
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _param_groups(params: Any) -> Iterator[tuple[str, int]]:
+    # Parameter counts per top-level module.
+    if isinstance(params, dict):
+        for k, v in params.items():
+            yield str(k), sum(math.prod(x.shape) for x in jax.tree.leaves(v))
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _printer(out: Callable[[str], None] | None, is_main: bool) -> Callable[[str], None]:
+    sink = out or (lambda s: print(s, flush=True))
+    return sink if is_main else (lambda s: None)
+
+
+def _progress_enabled(cfg: Config, is_main: bool) -> bool:
+    if not is_main or cfg.train.progress == "off":
+        return False
+    return cfg.train.progress == "on" or sys.stderr.isatty()
+
+
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def _mean(rows: list[dict[str, float]], key: str) -> float:
-    # Mean over the finite steps of the window; NaN if every step was skipped.
-    return float(np.mean([r[key] for r in rows])) if rows else float("nan")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -609,41 +922,3 @@ def _fmt_bytes(n: float) -> str:
 
 def _since(t: float) -> float:
     return time.perf_counter() - t
-
-
-def _dry_run_report(
-    say, cfg, step_fn, jit_kwargs, init, state_sh, abstract, dataset, global_bs, batch_sh,
-    compute_dtype, has_bn, model,
-) -> None:  # fmt: skip
-    import remat_nn as rn
-
-    state = jax.jit(init, out_shardings=state_sh)()
-    say("parameters:")
-    for path, x in _param_groups(state.params):
-        say(f"  {path:<40} {x:>12,}")
-    say(f"  {'total':<40} {sum(math.prod(p.shape) for p in jax.tree.leaves(state.params)):>12,}")
-    local = dataset.examples(np.arange(global_bs) % dataset.num_examples("train"))
-    batch = sharding_lib.global_batch(local, batch_sh)
-    loss_fn = state_lib.make_loss_fn(model, compute_dtype=compute_dtype, has_batch_stats=has_bn)
-    key = jax.random.key(0)
-
-    def loss_of_params(params):
-        return loss_fn(params, state.batch_stats, batch, key)[0]
-
-    plan = cfg.remat if cfg.remat is not None else cfg.model.options.get("remat")
-    say(f"remat plan: {plan if plan is not None else '(the model default)'}")
-    say("memory report (residuals saved for the backward pass):")
-    say(str(rn.memory_report(loss_of_params, state.params)))
-    say("XLA compiled memory of the train step (per device, state donated):")
-    say(str(rn.compiled_memory(step_fn, abstract, _abstract(batch), jit_kwargs=jit_kwargs)))
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _param_groups(params: Any) -> Iterator[tuple[str, int]]:
-    # Parameter counts per top-level module.
-    if isinstance(params, dict):
-        for k, v in params.items():
-            yield str(k), sum(math.prod(x.shape) for x in jax.tree.leaves(v))

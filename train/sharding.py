@@ -27,6 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.config import Distributed, Mesh
+from train.errors import SetupError
 
 __all__ = [
     "BATCH_AXES",
@@ -43,33 +44,76 @@ __all__ = [
 BATCH_AXES = ("data", "fsdp")
 
 
-def initialize_distributed(cfg: Distributed) -> bool:
-    """Calls ``jax.distributed.initialize`` when more than one process is configured.
+def initialize_distributed(cfg: Distributed, *, auto: bool = False) -> bool:
+    """Calls ``jax.distributed.initialize`` when more than one process is configured or detected.
 
-    Values come from the config (or CLI flags), else from ``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. Must run before any JAX computation.
+    Explicit values come from the config (or CLI flags), else from ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. With none of them, a Slurm job step or an
+    Open MPI launch of more than one task is detected from its environment, and
+    ``jax.distributed.initialize()`` is called without arguments so that JAX reads the
+    coordinator, the process count and id from the cluster (as it also does for TPU pods and
+    Kubernetes, whose detection queries a metadata server: ask for it with ``auto=True``,
+    the CLI's ``--distributed-auto``). Must run before any JAX computation.
 
     Returns:
       Whether the distributed system was initialised.
+
+    Raises:
+      SetupError: a process count without a coordinator or id, or ``auto`` finding no cluster.
     """
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     env_n, env_id = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
     num = cfg.num_processes or (int(env_n) if env_n else None)
     pid = cfg.process_id if cfg.process_id is not None else (int(env_id) if env_id else None)
+    if address is None and num is None and pid is None:
+        cluster = _detected_cluster()
+        if not (auto or cluster):
+            return False
+        _enable_cpu_collectives()
+        try:
+            jax.distributed.initialize()  # JAX reads the cluster's environment
+        except (ValueError, RuntimeError) as e:
+            raise SetupError(
+                f"distributed: automatic set-up ({cluster or 'requested by --distributed-auto'}) "
+                f"failed: {e}. Fix: pass --coordinator HOST:PORT --num-processes N "
+                "--process-id I explicitly."
+            ) from e
+        return True
     if not num or num == 1:
         return False
     if address is None or pid is None:
-        raise ValueError(
+        raise SetupError(
             f"distributed: num_processes={num} needs a coordinator address and a process id; "
             f"got address={address!r}, process_id={pid!r}. Fix: --coordinator HOST:PORT "
             "--process-id I (or JAX_COORDINATOR_ADDRESS / JAX_PROCESS_ID)."
         )
+    _enable_cpu_collectives()
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return True
+
+
+def _detected_cluster() -> str | None:
+    # Launchers that say in their environment that they started several processes.
+    env = os.environ
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_NODELIST" in env and _int(env, "SLURM_NTASKS") > 1:
+        return f"Slurm job {env['SLURM_JOB_ID']}, {env['SLURM_NTASKS']} tasks"
+    if "OMPI_MCA_orte_hnp_uri" in env and _int(env, "OMPI_COMM_WORLD_SIZE") > 1:
+        return f"Open MPI, {env['OMPI_COMM_WORLD_SIZE']} processes"
+    return None
+
+
+def _int(env: Any, key: str) -> int:
+    try:
+        return int(env.get(key, "1"))
+    except ValueError:
+        return 1
+
+
+def _enable_cpu_collectives() -> None:
     # Cross-process collectives of the CPU backend (a no-op for GPU/TPU devices): without it
     # a multi-process CPU run cannot all-reduce.
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
-    return True
 
 
 def make_mesh(cfg: Mesh, devices: list[Any] | None = None) -> jax.sharding.Mesh:

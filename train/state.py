@@ -8,7 +8,9 @@ happened, from XLA's own numbers and from the deleted input buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+import fnmatch
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as fnn
@@ -25,6 +27,9 @@ __all__ = [
     "TrainState",
     "check_distinct_buffers",
     "copy_state",
+    "decay_mask",
+    "decay_summary",
+    "decayed_paths",
     "eval_zeros",
     "make_eval_step",
     "make_init",
@@ -57,15 +62,62 @@ class DonationError(RuntimeError):
 # --- optimizer ------------------------------------------------------------------------------------
 
 
-def _decay_mask(params: Any) -> Any:
-    # Weight decay only on matrices and kernels: biases, norm scales (rank < 2) are not decayed.
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def _path_names(path: tuple[Any, ...]) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def decay_mask(params: Any, exclude: Sequence[str]) -> Any:
+    """Which parameters get weight decay: a bool pytree shaped like ``params``.
+
+    A parameter is decayed unless an ``exclude`` glob (fnmatch) matches its path joined by "/"
+    or its own name. The decision is by role, not rank: scanned and reversible stacks put their
+    layers on a leading axis, so a stacked LayerNorm scale is rank 2 like a kernel.
+
+    >>> params = {"blocks": {"ln": {"scale": jnp.ones((4, 8)), "bias": jnp.ones((4, 8))},
+    ...                      "fc": {"kernel": jnp.ones((4, 8, 8)), "bias": jnp.ones((4, 8))}},
+    ...           "embed": {"embedding": jnp.ones((16, 8))}}
+    >>> sorted(decayed_paths(params, ["bias", "scale"]))
+    ['blocks/fc/kernel', 'embed/embedding']
+    """
+    patterns = tuple(exclude)
+
+    def decays(path: tuple[Any, ...], _: Any) -> bool:
+        names = _path_names(path)
+        where = "/".join(names)
+        return not any(
+            fnmatch.fnmatchcase(where, p) or fnmatch.fnmatchcase(names[-1], p) for p in patterns
+        )
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def decayed_paths(params: Any, exclude: Sequence[str]) -> list[str]:
+    """The "/"-joined paths of the parameters :func:`decay_mask` decays."""
+    flat = jax.tree_util.tree_leaves_with_path(decay_mask(params, exclude))
+    return ["/".join(_path_names(path)) for path, decays in flat if decays]
+
+
+def decay_summary(params: Any, exclude: Sequence[str]) -> str:
+    """``weight decay: n of m parameter leaves (not decayed: bias x 3, scale x 2)``.
+
+    >>> decay_summary({"a": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}, ["bias"])
+    'weight decay: 1 of 2 parameter leaves (not decayed: bias x 1)'
+    """
+    flat = jax.tree_util.tree_leaves_with_path(decay_mask(params, exclude))
+    kept = collections.Counter(_path_names(path)[-1] for path, decays in flat if not decays)
+    shown = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items())) or "none"
+    decayed = len(flat) - sum(kept.values())
+    return f"weight decay: {decayed} of {len(flat)} parameter leaves (not decayed: {shown})"
 
 
 def make_optimizer(
     cfg: Optim, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation of ``cfg`` and its learning-rate schedule.
+
+    Args:
+      cfg: the ``optim`` config section.
+      total_steps: the steps the schedule spans (``optim.schedule_steps``, else ``train.steps``).
 
     >>> from train.config import Optim
     >>> tx, lr = make_optimizer(Optim(lr=0.1, warmup_steps=10, schedule="cosine"), 100)
@@ -87,7 +139,8 @@ def make_optimizer(
         )
     else:
         schedule = optax.constant_schedule(cfg.lr)
-    mask = None if cfg.decay_all else _decay_mask
+    exclude = tuple(cfg.decay_exclude)
+    mask = (lambda params: decay_mask(params, exclude)) if exclude else None
     parts = []
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
