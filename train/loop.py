@@ -19,7 +19,7 @@ A run takes five named steps, each a function below, read top to bottom:
 4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
    eval and checkpoint steps; in between, steps are dispatched asynchronously and their metrics
    stay on device. SIGTERM / SIGINT stop the loop at a step boundary every process agrees on
-   (:class:`StopSignals`), where it checkpoints.
+   (:class:`train.multihost.StopSignals`), where it checkpoints.
 5. :func:`finish` — the plot and the summary line.
 """
 
@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,23 +41,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import models
-from train import autoplan, faults, integrity
+from train import autoplan, faults, integrity, multihost
 from train import data as data_lib
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Config, dump_config
+from train.dry_run import dry_run_report
 from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
 from train.state import TrainState
 
 __all__ = [
     "CheckpointError", "ConfigChangedError", "Experiment", "NonFiniteError", "RunLockedError",
-    "RunResult", "SetupError", "StopSignals", "build_experiment", "finish", "restore_or_init",
+    "RunResult", "SetupError", "build_experiment", "finish", "restore_or_init",
     "run", "start", "train_loop",
 ]  # fmt: skip
 
@@ -177,12 +174,6 @@ def run(
 
 # ============================== 1. start-up ==============================
 
-# Start-up failures every process re-raises as the same class (any other: RuntimeError).
-_SHARED_ERRORS: tuple[type[Exception], ...] = (
-    RunLockedError, ConfigChangedError, CheckpointError, SetupError,
-)  # fmt: skip
-_MESSAGE_BYTES = 16384
-
 
 def start(
     cfg: Config, *, restart: bool, allow_config_change: bool, say: Callable[[str], None]
@@ -206,42 +197,8 @@ def start(
             failure = e
             if lock is not None:
                 lock.release()
-    share_verdict(failure, what="start-up")
+    multihost.share_verdict(failure, what="start-up")
     return lock
-
-
-def share_verdict(failure: BaseException | None, *, what: str) -> None:
-    """Makes process 0's decision every process's: all raise the same error, or none does.
-
-    Process 0 broadcasts whether (and how) its check failed; the others raise the same error
-    class with process 0's message. On a single process it re-raises ``failure``.
-    """
-    if jax.process_count() == 1 or jax.process_index() == 0:
-        code, text = _encode_failure(failure)
-    else:
-        code, text = 0, ""
-    if jax.process_count() > 1:
-        payload = np.zeros(_MESSAGE_BYTES + 1, np.int32)
-        raw = text.encode()[:_MESSAGE_BYTES]
-        payload[0] = code
-        payload[1 : 1 + len(raw)] = np.frombuffer(raw, np.uint8)
-        payload = np.asarray(multihost_utils.broadcast_one_to_all(payload))
-        code = int(payload[0])
-        text = bytes(payload[1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
-    if failure is not None:
-        raise failure
-    if code:
-        kind = _SHARED_ERRORS[code - 1] if code <= len(_SHARED_ERRORS) else RuntimeError
-        raise kind(f"process 0 failed at {what}: {text}")
-
-
-def _encode_failure(failure: BaseException | None) -> tuple[int, str]:
-    if failure is None:
-        return 0, ""
-    for i, kind in enumerate(_SHARED_ERRORS):
-        if isinstance(failure, kind):
-            return i + 1, str(failure)
-    return len(_SHARED_ERRORS) + 1, f"{type(failure).__name__}: {failure}"
 
 
 def _check_config_change(
@@ -504,7 +461,7 @@ def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
             (exp.run_dir / "plot.png").unlink(missing_ok=True)
         exp.run_dir.mkdir(parents=True, exist_ok=True)
         (exp.run_dir / "config.yaml").write_text(dump_config(exp.cfg))
-    _sync("run_dir")
+    multihost.sync("run_dir")
 
 
 # ============================== 3. restore ==============================
@@ -578,51 +535,6 @@ class Outcome:
     state: TrainState
     eval: dict[str, float] | None
     interrupted: str | None
-
-
-class StopSignals:
-    """SIGTERM / SIGINT ask the loop to checkpoint and stop at a step every process agrees on.
-
-    One process: a handler records the signal; the loop stops after the step in flight.
-    Several processes: a signal reaches one process, but the save is collective, so all must
-    stop at the same step. JAX's preemption service (started by ``jax.distributed``) catches
-    SIGTERM on any process and agrees the step
-    (``multihost_utils.reached_preemption_sync_point``, asked at every step, as MaxText does);
-    SIGINT is forwarded to it as this process's SIGTERM. The signal reported (and so the exit
-    code) is agreed too: the largest signal number any process recorded, SIGTERM by default.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._multi = jax.process_count() > 1
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            # Under jax.distributed, SIGTERM belongs to JAX's preemption notifier.
-            mine = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
-            for sig in mine:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
-        if self._multi:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def stop_at(self, step: int) -> bool:
-        """Whether to checkpoint and stop after ``step`` steps (the same on every process)."""
-        if self._multi:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.received is not None
-
-    def agreed_name(self) -> str:
-        """The signal that stopped the run, the same on every process."""
-        signum = self.received or 0
-        if self._multi:
-            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
-        return signal.Signals(signum or signal.SIGTERM).name
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class _StepMetrics:
@@ -731,7 +643,7 @@ def train_loop(
         halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
     )
     log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
-    stop = StopSignals()
+    stop = multihost.StopSignals()
     bar = tqdm(
         total=total, initial=resume.step, disable=not _progress_enabled(cfg, exp.is_main),
         dynamic_ncols=True, unit="step",
@@ -842,57 +754,6 @@ def finish(
     )  # fmt: skip
 
 
-# ============================== dry run ==============================
-
-
-def dry_run_report(exp: Experiment) -> None:
-    """Prints what a run would train, before it does: parameters, weight decay, matmul dtypes,
-    the remat plan's residuals and XLA's compiled memory of the step."""
-    import remat_nn as rn
-    from train.dtypes import matmul_operand_dtypes
-
-    say, cfg = exp.say, exp.cfg
-    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
-    say("parameters:")
-    for path, n in _param_groups(state.params):
-        say(f"  {path:<40} {n:>12,}")
-    say(f"  {'total':<40} {sum(math.prod(p.shape) for p in jax.tree.leaves(state.params)):>12,}")
-    if cfg.optim.weight_decay:
-        say(state_lib.decay_summary(state.params, cfg.optim.decay_exclude))
-    else:
-        say("weight decay: off (optim.weight_decay=0)")
-    local = exp.dataset.examples(np.arange(exp.global_batch) % exp.dataset.num_examples("train"))
-    batch = sharding_lib.global_batch(local, exp.batch_sharding)
-    loss_fn = state_lib.make_loss_fn(
-        exp.model, compute_dtype=exp.compute_dtype, has_batch_stats=exp.has_batch_stats
-    )
-    key = jax.random.key(0)
-
-    def loss_of_params(params):
-        return loss_fn(params, state.batch_stats, batch, key)[0]
-
-    counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
-    say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
-    plan = cfg.remat if cfg.remat is not None else cfg.model.options.get("remat")
-    say(f"remat plan: {plan if plan is not None else '(the model default)'}")
-    say("memory report (residuals saved for the backward pass):")
-    say(str(rn.memory_report(loss_of_params, state.params)))
-    say("XLA compiled memory of the train step (per device, state donated):")
-    say(str(rn.compiled_memory(exp.step_fn, exp.abstract, _abstract(batch),
-                               jit_kwargs=exp.jit_kwargs)))  # fmt: skip
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _param_groups(params: Any) -> Iterator[tuple[str, int]]:
-    # Parameter counts per top-level module.
-    if isinstance(params, dict):
-        for k, v in params.items():
-            yield str(k), sum(math.prod(x.shape) for x in jax.tree.leaves(v))
-
-
 # --- helpers ------------------------------------------------------------------------------------
 
 
@@ -905,11 +766,6 @@ def _progress_enabled(cfg: Config, is_main: bool) -> bool:
     if not is_main or cfg.train.progress == "off":
         return False
     return cfg.train.progress == "on" or sys.stderr.isatty()
-
-
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 def _fmt_bytes(n: float) -> str:

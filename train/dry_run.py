@@ -1,0 +1,71 @@
+"""``python -m train --dry-run``: what a run would train, printed before it trains.
+
+Parameters per module, which of them get weight decay, the dtypes the gradient's matmuls read
+(so ``train.compute_dtype=bfloat16`` is seen to take effect), the remat plan's saved residuals and
+XLA's compiled memory of the donated train step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from train import sharding as sharding_lib
+from train import state as state_lib
+
+if TYPE_CHECKING:
+    from train.loop import Experiment
+
+__all__ = ["dry_run_report"]
+
+
+def dry_run_report(exp: Experiment) -> None:
+    """Prints what a run would train, before it does: parameters, weight decay, matmul dtypes,
+    the remat plan's residuals and XLA's compiled memory of the step."""
+    import remat_nn as rn
+    from train.dtypes import matmul_operand_dtypes
+
+    say, cfg = exp.say, exp.cfg
+    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+    say("parameters:")
+    for path, n in _param_groups(state.params):
+        say(f"  {path:<40} {n:>12,}")
+    say(f"  {'total':<40} {sum(math.prod(p.shape) for p in jax.tree.leaves(state.params)):>12,}")
+    if cfg.optim.weight_decay:
+        say(state_lib.decay_summary(state.params, cfg.optim.decay_exclude))
+    else:
+        say("weight decay: off (optim.weight_decay=0)")
+    local = exp.dataset.examples(np.arange(exp.global_batch) % exp.dataset.num_examples("train"))
+    batch = sharding_lib.global_batch(local, exp.batch_sharding)
+    loss_fn = state_lib.make_loss_fn(
+        exp.model, compute_dtype=exp.compute_dtype, has_batch_stats=exp.has_batch_stats
+    )
+    key = jax.random.key(0)
+
+    def loss_of_params(params):
+        return loss_fn(params, state.batch_stats, batch, key)[0]
+
+    counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
+    say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
+    plan = cfg.remat if cfg.remat is not None else cfg.model.options.get("remat")
+    say(f"remat plan: {plan if plan is not None else '(the model default)'}")
+    say("memory report (residuals saved for the backward pass):")
+    say(str(rn.memory_report(loss_of_params, state.params)))
+    say("XLA compiled memory of the train step (per device, state donated):")
+    say(str(rn.compiled_memory(exp.step_fn, exp.abstract, _abstract(batch),
+                               jit_kwargs=exp.jit_kwargs)))  # fmt: skip
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _param_groups(params: Any) -> Iterator[tuple[str, int]]:
+    # Parameter counts per top-level module.
+    if isinstance(params, dict):
+        for k, v in params.items():
+            yield str(k), sum(math.prod(x.shape) for x in jax.tree.leaves(v))
