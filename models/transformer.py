@@ -265,7 +265,12 @@ class Transformer(fnn.Module):
       reconstruct: with ``reversible``, reconstruct activations in the backward pass; ``False``
         differentiates the same network (same variables) by plain autodiff: the reference.
       dropout: dropout rate (embeddings, attention probabilities, sub-layer outputs).
-      dtype: compute dtype; parameters and the loss-side logits stay float32.
+      dtype: compute dtype: every matmul of the blocks, and the norms' outputs (their
+        statistics and the softmax are float32); parameters and the logits stay float32.
+      recon_dtype: with ``reversible``, dtype of the residual stream ``(x1, x2)``: attention and
+        MLP compute in ``dtype`` and their outputs are added in ``recon_dtype``, so the
+        backward's reconstruction is float32 under bfloat16 compute and does not drift with
+        depth (``bfloat16`` here is the drifting variant, for tests).
 
     >>> import jax, jax.numpy as jnp
     >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
@@ -288,6 +293,7 @@ class Transformer(fnn.Module):
     reconstruct: bool = True
     dropout: float = 0.0
     dtype: Any = jnp.float32
+    recon_dtype: Any = jnp.float32
 
     @fnn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -304,8 +310,10 @@ class Transformer(fnn.Module):
             x = x + wpe(jnp.arange(t))[None].astype(self.dtype)  # (1, T, D) broadcast over B
         x = fnn.Dropout(self.dropout, deterministic=not train)(x)
         x = self._reversible_stack(x, train) if self.reversible else self._stack(x, train)
-        x = fnn.LayerNorm(dtype=self.dtype, name="ln_f")(x)  # (B, T, D)
-        return embed.attend(x.astype(jnp.float32))  # (B, T, V), tied to the token embedding
+        # The head is float32 under any compute dtype (3 matmuls of the gradient: D x V per
+        # token, small beside the blocks'): logits and the loss see unrounded features.
+        x = fnn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)  # (B, T, D)
+        return embed.attend(x)  # (B, T, V) float32, tied to the token embedding
 
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
         block = Block
@@ -339,11 +347,10 @@ class Transformer(fnn.Module):
         # costs no activation memory (remat plans do not apply: nothing per layer is kept).
         f = Attention(self.n_heads, self.position == "rotary", self.dropout, self.dtype)
         g = MLP(self.d_ff, self.dropout, self.dtype)
-        wide = jnp.dtype(self.dtype).itemsize < 4
         stack = rnn.ReversibleSequence(
             rnn.AdditiveCoupling(f, g),
             depth=self.n_layers,
-            recon_dtype=jnp.float32 if wide else None,
+            recon_dtype=self.recon_dtype,
             reversible=self.reconstruct,
             name="blocks",
         )
