@@ -6,7 +6,8 @@ reconstruction in reversible stacks.
   classifier / tied LM head, deliberately float32 (3 equations: its forward and the two matmuls
   of its VJP); with ``dtype=float32`` every one is float32. Counted on the jaxpr, scan / remat /
   custom_vjp bodies included, for revnet38, resnet32 and the transformer (scanned, unrolled,
-  reversible). Master weights and gradients stay float32.
+  reversible). Master weights and gradients stay float32. End to end, the trainer's dry run with
+  ``train.compute_dtype=bfloat16`` alone prints those counts.
 - Reversible stacks carry their residual stream in float32 while F and G compute in bfloat16,
   so the gradient that reconstructs activations matches plain autodiff of the same bfloat16
   model within :data:`RECON_TOL` at every depth; a bfloat16 stream (``recon_dtype=bfloat16``)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,6 +31,8 @@ import pytest
 import models
 from models import revnet as rv
 from remat_nn._jax_internals import sub_jaxprs
+from train import loop
+from train.config import load_config
 from train.dtypes import matmul_operand_dtypes
 from train.state import TrainState, eval_zeros, make_eval_step, make_loss_fn
 
@@ -130,6 +134,21 @@ def test_bfloat16_eval_matmuls_read_bfloat16_but_the_head(family):
     state = TrainState(jnp.zeros((), jnp.int32), params, None, stats, jnp.zeros(2, jnp.uint32))
     counts = matmul_operand_dtypes(eval_step, state, batch, eval_zeros())
     assert set(counts) == {"bfloat16", "float32"} and counts["float32"] == 1, counts
+
+
+def test_train_compute_dtype_alone_sets_the_model_dtype(tmp_path):
+    # The knob end to end: the trainer's dry run of a registered model (configs/debug.yaml, a
+    # 2-layer transformer) with train.compute_dtype=bfloat16 and no model.options.dtype.
+    config = Path(__file__).parents[1] / "configs" / "debug.yaml"
+    cfg = load_config(config, ["train.compute_dtype=bfloat16", f"run_dir={tmp_path / 'dry'}"])
+    assert "dtype" not in cfg.model.options
+    lines: list[str] = []
+    loop.run(cfg, dry_run=True, out=lines.append)
+    prefix = "matmul operand dtypes: {"
+    (line,) = [line for line in lines if line.startswith(prefix)]
+    counts = dict(item.split(": ") for item in line.removeprefix(prefix).rstrip("}").split(", "))
+    assert set(counts) == {"bfloat16", "float32"}, line
+    assert int(counts["float32"]) == HEAD_FLOAT32_MATMULS, line
 
 
 def test_bfloat16_models_keep_float32_params_and_logits():
