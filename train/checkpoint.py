@@ -9,16 +9,36 @@ The last ``keep`` checkpoints are kept, plus the best ``keep_best`` by an eval m
 Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
 restores onto 1 and back.
 
-Integrity (:mod:`train.integrity`): each step gets a ``manifest.json`` once orbax has renamed it
-into place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches
-the restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming
-the leaf, and refuses (listing every rejected step) when none verifies. A checkpoint whose leaf
-paths, shapes or dtypes differ from the config's state is refused before restoring.
+Integrity (:mod:`train.integrity`): each step gets a manifest once orbax has renamed it into
+place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches the
+restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
+leaf, and refuses (listing every rejected step) when none verifies. A checkpoint whose leaf
+paths, shapes or dtypes differ from the config's state is refused before restoring, and so is
+one written with another config (its manifest's ``config_hash``) unless that is allowed.
+
+What a save costs the train step: :meth:`Checkpointer.save` checks the state for NaN/Inf on
+the devices (one small transfer), starts device-to-host copies of the shards it checksums and
+returns once orbax's own synchronous part is done and those host copies are in hand (the caller
+donates the state right after). The crc32s are computed in the background thread that waits for
+orbax and then writes the manifest.
+
+Several processes: each checksums the shards it holds as replica 0 and writes its own part of
+the manifest (``manifest.json`` by process 0, ``manifest.process-<i>.json`` by process ``i``; a
+step missing a part is an unfinished save). On restore each process verifies the saved shards
+its devices hold; the verdict on each step is combined over all processes
+(``multihost_utils.process_allgather``), so every process accepts or rejects the same steps,
+and only process 0 moves rejected ones aside.
+
+Restore memory: a step is restored in its saved dtypes and verified one leaf at a time from host
+copies; only leaves whose dtype differs are cast, and ``donatable=True`` (or
+:func:`rematerialize`) gives every leaf a fresh XLA-owned buffer (jax#18617), each deleting the
+leaf it replaces, so the peak is the state plus one leaf.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from train import faults
@@ -37,7 +58,7 @@ from train.config import Checkpoint
 from train.integrity import CheckpointError
 from train.state import TrainState
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "rematerialize"]
 
 
 def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -77,13 +98,24 @@ class _PyTreeHandler(ocp.handlers.PyTreeCheckpointHandler):
 
 
 def _handler_registry() -> tuple[Any, _PyTreeHandler]:
-    # Arrays are written by the replica that owns each shard. Orbax's default on CPU/TPU,
-    # "replica-parallel" saving, slices each replicated array per device, which compiles one
-    # small program per (shape, device) on the first save: slow with many fake CPU devices and
-    # nothing gained on a single host.
+    # "Replica-parallel" saving splits the write of a replicated array over its replicas. With
+    # several processes (hosts) that spreads the bytes of replicated params and optimizer state
+    # over every host's disk bandwidth instead of making process 0's replica write them all, so
+    # it is left to orbax's platform default (on, except on GPU). On one process every replica
+    # shares one host: nothing is gained, and it compiles one small slicing program per
+    # (shape, device) on the first save, slow with many (fake CPU) devices, so one replica
+    # writes. Either way an array whose per-replica slice would be under 1 MiB is written by
+    # one replica: its slicing programs cost more than the write they would split.
     th = ocp.type_handlers
+    replica_parallel = None if jax.process_count() > 1 else False
     types = th.create_type_handler_registry(
-        (jax.Array, th.ArrayHandler(use_replica_parallel=False)),
+        (
+            jax.Array,
+            th.ArrayHandler(
+                use_replica_parallel=replica_parallel,
+                min_slice_bytes_for_replica_parallel=1 << 20,
+            ),
+        ),
         (np.ndarray, th.NumpyHandler()),
         (np.number, th.ScalarHandler()),
         (int, th.ScalarHandler()),
@@ -106,7 +138,8 @@ class Checkpointer:
       directory: the checkpoints folder (created if missing; orbax temporary directories left by
         killed saves are removed).
       cfg: the ``checkpoint`` config section.
-      config_hash: recorded in each step's manifest (:func:`train.integrity.config_hash`).
+      config_hash: this run's :func:`train.integrity.config_hash`; recorded in each step's
+        manifest and checked on restore (``""``, the default, records and checks nothing).
       warn: where warnings about rejected steps go (default: stderr).
     """
 
@@ -174,6 +207,10 @@ class Checkpointer:
     ) -> bool:
         """Starts an (async) save at ``step`` if the interval says so (or ``force``).
 
+        Blocks for the NaN/Inf check (on the devices), orbax's synchronous part and the host
+        copies of what the manifest checksums; the crc32s and the manifest follow in the
+        background. ``state`` may be donated as soon as this returns.
+
         Raises:
           CheckpointError: the state holds NaN/Inf (never written), or the previous save failed
             (e.g. disk full); the message names the last valid step.
@@ -182,21 +219,25 @@ class Checkpointer:
             return False
         self._finish_pending()
         faults.kill_if("before_save", step)
-        leaves = integ.leaf_records(_state_tree(state))
-        bad = [path for path, r in leaves.items() if not r.pop("finite")]
+        tree = _state_tree(state)
+        # The device-to-host copies the crc32s need start first, to overlap the NaN/Inf check
+        # (reduced on the devices: no host copy of the state) and orbax's own copies.
+        copies = integ.HostCopies(tree)
+        bad = integ.nonfinite_leaves(tree)
         if bad:
             raise CheckpointError(
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
                 f"last valid checkpoint is {self._last_valid()}."
             )
         meta = {"step": step, "data_position": data_position}
-        manifest = {"step": step, "config_hash": self.config_hash, "meta": meta, "leaves": leaves}
+        head = {"step": step, "config_hash": self.config_hash, "meta": meta,
+                "process_count": jax.process_count()}  # fmt: skip
         self._handler.step = self._saving = step
         try:
             started = self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(_state_tree(state)), meta=ocp.args.JsonSave(meta)
+                    state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta)
                 ),
                 metrics=metrics if self.cfg.keep_best else None,
                 force=force,
@@ -204,23 +245,34 @@ class Checkpointer:
         except OSError as e:
             raise self._write_error(step, e) from e
         if started:
+            # The caller donates `state` when this returns: its bytes must be on the host by then.
+            copies.take()
             self._manifest_writer = threading.Thread(
-                target=self._write_manifest, args=(step, manifest), daemon=True
+                target=self._write_manifest, args=(step, head, copies), daemon=True
             )
             self._manifest_writer.start()
         return started
 
-    def _write_manifest(self, step: int, manifest: dict[str, Any]) -> None:
-        # Background: once orbax has renamed the step into place, add its manifest.
+    def _write_manifest(self, step: int, head: dict[str, Any], copies: integ.HostCopies) -> None:
+        # Background: checksum the host copies (while orbax writes), then once orbax has renamed
+        # the step into place, add this process's manifest.
         try:
+            records = copies.records()
             self._manager.wait_until_finished()
         except BaseException as e:  # raised in the main thread by the next save or wait()
             self._save_error = e
             return
         step_dir = self.directory / str(step)
-        if step_dir.is_dir() and _is_main():
+        if not step_dir.is_dir():
+            return
+        if _is_main():
             faults.kill_if("after_finalize_before_cleanup", step)
-            integ.write_manifest(step_dir, manifest)
+            integ.write_manifest(step_dir, {**head, "leaves": records})
+        else:
+            me = jax.process_index()
+            shards = {path: r["shards"] for path, r in records.items() if r.get("shards")}
+            integ.write_manifest(step_dir, {"step": step, "process": me, "shards": shards},
+                                 process=me)  # fmt: skip
 
     def _finish_pending(self) -> None:
         if self._manifest_writer is not None:
@@ -272,22 +324,35 @@ class Checkpointer:
         return TrainState(**out["state"]), dict(out["meta"])
 
     def restore_latest(
-        self, abstract_state: TrainState, *, allow_dtype_cast: bool = False
+        self,
+        abstract_state: TrainState,
+        *,
+        allow_dtype_cast: bool = False,
+        allow_config_change: bool = False,
+        donatable: bool = False,
     ) -> tuple[TrainState, dict[str, Any], int] | None:
         """Restores the newest step that verifies against its manifest; None if there is none.
 
-        Steps that do not verify are moved aside to ``<N>.corrupt-<reason>`` with a warning.
+        Steps that do not verify are moved aside to ``<N>.corrupt-<reason>`` with a warning. With
+        several processes every process takes the same decision on each step (a step is rejected
+        when any process finds its shards damaged), and only process 0 moves steps aside.
 
         Args:
           abstract_state: ShapeDtypeStructs with shardings: the config's state.
           allow_dtype_cast: restore a leaf saved in another dtype by casting it.
+          allow_config_change: restore a step written with another config (its manifest's
+            ``config_hash`` differs from this Checkpointer's), with a warning.
+          donatable: give every leaf a fresh XLA-owned buffer, so the first train step can
+            donate it (jax#18617), as :func:`rematerialize` does: no copy of the state is needed
+            afterwards. Either way the peak device memory is the state plus one leaf.
 
         Returns:
           ``(state, meta, step)`` or None when the directory has no step at all.
 
         Raises:
           CheckpointError: steps exist but none verifies (each is listed), or the newest one's
-            leaf paths, shapes or dtypes differ from ``abstract_state`` (each leaf is listed).
+            leaf paths, shapes or dtypes differ from ``abstract_state`` (each leaf is listed), or
+            it was written with another config and ``allow_config_change`` is False.
         """
         tree = _state_tree(abstract_state)
         expected = {
@@ -297,45 +362,54 @@ class Checkpointer:
         rejected: list[str] = []
         unfinished: list[str] = []  # no manifest: killed after orbax's rename, before the manifest
         for step in sorted(self.all_steps(), reverse=True):
-            step_dir = self.directory / str(step)
-            try:
-                manifest = integ.read_manifest(step_dir)
-            except ValueError as e:
-                bucket = unfinished if str(e).startswith("no-manifest") else rejected
-                bucket.append(self._reject(step, str(e)))
+            # 1. Its manifest: complete, readable, fits the state, written with this config.
+            code, text, manifest = self._check_manifest(
+                step, expected, allow_dtype_cast=allow_dtype_cast,
+                allow_config_change=allow_config_change,
+            )  # fmt: skip
+            mine = code
+            code, text = _agree(code, text)
+            if code in (_MISFIT, _CONFIG):
+                if code != mine:
+                    text = f"checkpoint step {step} in {self.directory} is refused ({text})"
+                raise CheckpointError(text)
+            if code != _OK:
+                (unfinished if code == _UNFINISHED else rejected).append(self._reject(step, text))
                 continue
-            saved = manifest["leaves"]
-            problems = integ.structure_problems(saved, expected, allow_dtype_cast=allow_dtype_cast)
-            if problems:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} does not fit this config's train "
-                    f"state ({len(problems)} leaves differ, saved vs expected):\n"
-                    + "\n".join(problems)
-                    + "\nFix: use the config the run was trained with (config.yaml in the run "
-                    "directory), another run_dir, or --restart; if only dtypes differ, "
-                    "--allow-dtype-cast converts them."
-                )
+            # 2. Its bytes, restored in the saved dtypes and checked leaf by leaf.
             faults.kill_if("during_restore", step)
+            restored: tuple[TrainState, dict[str, Any]] | None = None
             try:
-                state, meta = self._restore_verified(step, tree, manifest)
+                restored = self._restore_verified(step, tree, manifest)
             except _Damaged as e:
-                rejected.append(self._reject(step, str(e)))
-                continue
+                code, text = _CHECKSUM, str(e)
             except Exception as e:  # orbax could not read it: truncated or missing files
                 first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-                rejected.append(self._reject(step, f"unreadable: {type(e).__name__}: {first}"))
+                code, text = _UNREADABLE, f"unreadable: {type(e).__name__}: {first}"
+            code, text = _agree(code, text)
+            if restored is None or code != _OK:
+                if restored is not None:
+                    _delete(restored[0])
+                rejected.append(self._reject(step, text))
                 continue
-            if rejected:
-                self._manager.reload()
+            if rejected or unfinished:
+                self._set_aside_done()
+            state, meta = restored
+            written = manifest.get("config_hash") or ""
+            if self.config_hash and written and written != self.config_hash:
+                self._warn(f"WARNING: step {step} was written with another config (config hash "
+                           f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
+                           "this run's config (allowed).")  # fmt: skip
+            saved = manifest["leaves"]
             cast = [f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
                     for p, e in expected.items() if saved[p]["dtype"] != e["dtype"]]  # fmt: skip
             if cast:
                 self._warn(f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
                            + "\n".join(cast))  # fmt: skip
-            state = jax.tree.map(lambda x, a: x.astype(a.dtype), state, abstract_state)
+            state = TrainState(**_refit(_state_tree(state), tree, copy_all=donatable))
             return state, meta, step
         if rejected:
-            self._manager.reload()
+            self._set_aside_done()
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; every step was rejected (and moved "
                 "aside):\n" + "\n".join(rejected) + "\nNothing was restored and training did not "
@@ -344,15 +418,50 @@ class Checkpointer:
         if unfinished:
             # Only saves that never finished (like orbax's own temporary directories): there is
             # no complete checkpoint, so the run starts at step 0, and says so.
-            self._manager.reload()
+            self._set_aside_done()
             self._warn("WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
                        + "\n".join(unfinished))  # fmt: skip
         return None
 
+    def _check_manifest(
+        self,
+        step: int,
+        expected: dict[str, Any],
+        *,
+        allow_dtype_cast: bool,
+        allow_config_change: bool,
+    ) -> tuple[int, str, dict[str, Any]]:
+        # This process's verdict on a step's manifest: (code, reason, manifest).
+        try:
+            manifest = integ.read_manifest(self.directory / str(step))
+        except ValueError as e:
+            return (_UNFINISHED if str(e).startswith("no-manifest") else _BAD_MANIFEST), str(e), {}
+        problems = integ.structure_problems(
+            manifest["leaves"], expected, allow_dtype_cast=allow_dtype_cast
+        )
+        if problems:
+            misfit = (
+                f"checkpoint step {step} in {self.directory} does not fit this config's train "
+                f"state ({len(problems)} leaves differ, saved vs expected):\n"
+                + "\n".join(problems)
+                + "\nFix: use the config the run was trained with (config.yaml in the run "
+                "directory), another run_dir, or --restart; if only dtypes differ, "
+                "--allow-dtype-cast converts them."
+            )
+            return _MISFIT, misfit, manifest
+        written = manifest.get("config_hash") or ""  # absent in manifests of older versions
+        if self.config_hash and written and written != self.config_hash and not allow_config_change:
+            changed = CONFIG_CHANGED.format(
+                step=step, directory=self.directory, written=written[:12], now=self.config_hash[:12]
+            )
+            return _CONFIG, changed, manifest
+        return _OK, "", manifest
+
     def _restore_verified(
         self, step: int, tree: dict[str, Any], manifest: dict[str, Any]
     ) -> tuple[TrainState, dict[str, Any]]:
-        # Restored in the saved dtypes, so the bytes checked are the bytes written.
+        # Restored in the saved dtypes, so the bytes checked are the bytes written; each leaf's
+        # host copy is made (and dropped) in turn. A damaged state is deleted before raising.
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         leaves = manifest["leaves"]
         saved_dtypes = treedef.unflatten(
@@ -366,15 +475,21 @@ class Checkpointer:
             ]
         )
         state, meta = self.restore(step, TrainState(**saved_dtypes))
-        for path, record in integ.leaf_records(_state_tree(state)).items():
-            want = leaves[path]["crc32"]
-            if want is not None and record["crc32"] != want:
-                raise _Damaged(
-                    f"checksum: leaf {path} does not match its manifest (crc32 "
-                    f"{record['crc32']:#010x}, manifest {want:#010x})"
-                )
-        if meta != manifest["meta"]:
-            raise _Damaged(f"checksum: meta {meta} does not match its manifest {manifest['meta']}")
+        try:
+            problems: list[str] = []
+            for path, x in jax.tree_util.tree_leaves_with_path(_state_tree(state)):
+                key = jax.tree_util.keystr(path)
+                problems = integ.checksum_problems(key, x, leaves[key])
+                if problems:
+                    break
+            if not problems and meta != manifest["meta"]:
+                problems = [f"checksum: meta {meta} does not match its manifest {manifest['meta']}"]
+            if problems:
+                more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
+                raise _Damaged(problems[0] + more)
+        except BaseException:
+            _delete(state)  # before the next step is restored: one state at a time
+            raise
         return state, meta
 
     def _reject(self, step: int, reason: str) -> str:
@@ -382,11 +497,17 @@ class Checkpointer:
         aside = self.directory / f"{step}.corrupt-{reason.split(':')[0]}"
         while aside.exists():
             aside = aside.with_name(aside.name + "-again")
-        if _is_main():
+        if _is_main():  # every process has finished reading it: the verdict was agreed
             step_dir.rename(aside)
         line = f"  step {step}: {reason}; moved to {aside.name}"
         self._warn(f"WARNING: checkpoint rejected:\n{line}")
         return line
+
+    def _set_aside_done(self) -> None:
+        # Every process lists the steps again only once process 0 has moved them aside, so all
+        # agree on which steps exist (a later save of the same step number is not skipped).
+        _sync("checkpoint-set-aside")
+        self._manager.reload()
 
     # --- end --------------------------------------------------------------------------------------
 
@@ -413,6 +534,99 @@ class Checkpointer:
 
 class _Damaged(ValueError):
     """A restored step whose bytes do not match its manifest."""
+
+
+# A process's verdict on a step. Combined over processes by the largest, so this is also the
+# order of precedence: a refusal (raised) over damage (set aside) over an unfinished save.
+_OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _MISFIT, _CONFIG = range(7)
+_KINDS = {_UNFINISHED: "no-manifest", _BAD_MANIFEST: "bad-manifest", _UNREADABLE: "unreadable",
+          _CHECKSUM: "checksum", _MISFIT: "misfit", _CONFIG: "config-changed"}  # fmt: skip
+
+CONFIG_CHANGED = """\
+checkpoint step {step} in {directory} was written with another config (config hash {written}, \
+this run's {now}): the config changed since it was written, in keys that change what the run \
+computes. Fix: rerun with the run's config (config.yaml in the run directory), pass \
+--allow-config-change to resume this state with the new config, or --restart to start at step 0."""
+
+
+def _agree(code: int, reason: str) -> tuple[int, str]:
+    # The verdict of the process that found the worst (one small all-gather per step), so every
+    # process accepts, sets aside or refuses the same step; the reason is local when it is ours.
+    if jax.process_count() == 1:
+        return code, reason
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+    worst = int(codes.max())
+    if worst == code:
+        return code, reason
+    who = int(np.argmax(codes))
+    return worst, f"{_KINDS[worst]}: found by process {who}, whose log says where"
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _delete(tree: Any) -> None:
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+@functools.lru_cache(maxsize=64)  # a few shardings per run; evicting only recompiles
+def _copy_fn(sharding: Any, dtype: Any) -> Any:
+    # A jitted copy (or cast): its output is a buffer XLA allocated. jnp.copy, because a jitted
+    # identity may hand back its input.
+    def copy(x: jax.Array) -> jax.Array:
+        return jnp.copy(x) if dtype is None else x.astype(dtype)
+
+    return jax.jit(copy, out_shardings=sharding)
+
+
+def _refit(tree: Any, target: Any, *, copy_all: bool) -> Any:
+    # Leaf by leaf: cast each leaf whose dtype differs from its target's (with copy_all, copy
+    # every other one too) and delete the leaf it replaces, so the peak is the tree plus one
+    # leaf. A leaf object found at two paths is deleted after its last copy.
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(target)
+    last = {id(x): i for i, x in enumerate(leaves)}
+    out = []
+    for i, (x, t) in enumerate(zip(leaves, targets, strict=True)):
+        dtype = jnp.dtype(t.dtype)
+        if x.dtype == dtype and not copy_all:
+            out.append(x)
+            continue
+        out.append(_copy_fn(t.sharding, None if x.dtype == dtype else dtype)(x))
+        if isinstance(x, jax.Array) and last[id(x)] == i:
+            x.delete()
+    return treedef.unflatten(out)
+
+
+def rematerialize(state: Any, shardings: Any) -> Any:
+    """Every leaf of ``state`` in a fresh XLA-owned buffer, so the next step can donate it.
+
+    Restored arrays are not guaranteed to own donatable buffers (jax#18617: the first step after
+    a restore kept two copies of the state). Each leaf is copied by a jitted program and then
+    deleted before the next one is copied, so the peak is the state plus one leaf, not twice the
+    state as a copy of the whole tree at once would be. The leaves of ``state`` are deleted: use
+    only the result.
+
+    Args:
+      state: a pytree of arrays.
+      shardings: a pytree like ``state`` holding the sharding each copy gets.
+
+    Returns:
+      A pytree like ``state`` with the same values.
+
+    >>> old = {"w": jnp.ones(3)}
+    >>> new = rematerialize(old, {"w": old["w"].sharding})
+    >>> old["w"].is_deleted(), new["w"].tolist()
+    (True, [1.0, 1.0, 1.0])
+    """
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    return _refit(state, target, copy_all=True)
 
 
 def _is_main() -> bool:
