@@ -152,7 +152,10 @@ def run(
         try:
             if ckpt.removed_tmp:
                 say(f"removed unfinished saves of a killed run: {', '.join(ckpt.removed_tmp)}")
-            state, resume = restore_or_init(exp, ckpt, allow_dtype_cast=allow_dtype_cast)
+            state, resume = restore_or_init(
+                exp, ckpt, allow_dtype_cast=allow_dtype_cast,
+                allow_config_change=allow_config_change,
+            )  # fmt: skip
             if resume.step >= cfg.train.steps:
                 say(_already_complete(cfg, resume.step, exp.run_dir))
                 return RunResult(resume.step, state, run_dir=exp.run_dir,
@@ -477,7 +480,7 @@ class Resume:
 
 
 def restore_or_init(
-    exp: Experiment, ckpt: Checkpointer, *, allow_dtype_cast: bool
+    exp: Experiment, ckpt: Checkpointer, *, allow_dtype_cast: bool, allow_config_change: bool
 ) -> tuple[TrainState, Resume]:
     """The newest verified checkpoint's state (steps a-e of the module docstring), or a fresh one.
 
@@ -485,14 +488,17 @@ def restore_or_init(
       CheckpointError: steps exist but none verifies, or the newest does not fit the config.
       state_lib.DonationError: one buffer at two leaves of the state.
     """
-    found = ckpt.restore_latest(exp.abstract, allow_dtype_cast=allow_dtype_cast)  # a, b
+    # a, b, c: the newest verified step, restored onto this mesh with every leaf re-made in an
+    # XLA-owned buffer one at a time (peak: the state plus one leaf), so the first step donates.
+    found = ckpt.restore_latest(
+        exp.abstract, allow_dtype_cast=allow_dtype_cast,
+        allow_config_change=allow_config_change, donatable=True,
+    )  # fmt: skip
     if found is None:
         state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
         resume = Resume()
     else:
-        restored, meta, latest = found
-        state = state_lib.copy_state(restored, exp.state_shardings)  # c: fresh, donatable
-        del restored
+        state, meta, latest = found
         resume = Resume(int(meta["step"]), int(meta["data_position"]), latest)  # d
         if exp.is_main:
             _truncate_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e

@@ -26,7 +26,6 @@ __all__ = [
     "DonationError",
     "TrainState",
     "check_distinct_buffers",
-    "copy_state",
     "decay_mask",
     "decay_summary",
     "decayed_paths",
@@ -55,7 +54,8 @@ class DonationError(RuntimeError):
 
     Typical causes: a leaf passed twice (two state fields sharing one buffer), an output whose
     sharding or dtype differs from its input (then XLA cannot alias them), a restored array
-    whose buffer XLA does not own (re-materialise it with :func:`copy_state`, jax#18617).
+    whose buffer XLA does not own (re-materialise it with
+    :func:`train.checkpoint.rematerialize`, jax#18617).
     """
 
 
@@ -192,17 +192,6 @@ def make_init(
         )
 
     return init
-
-
-def copy_state(state: TrainState, shardings: Any) -> TrainState:
-    """Fresh XLA-owned buffers with the same values (so the next step can donate them).
-
-    Restored arrays are not guaranteed to own donatable buffers (jax#18617: the first step after
-    a restore kept two copies of the state). With the pinned jax/orbax on CPU they happen to
-    donate without this (measured); the copy, once per restore, makes it so on every backend,
-    and the trainer's deletion check after the first step proves it.
-    """
-    return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(state)
 
 
 # --- step -----------------------------------------------------------------------------------------
@@ -423,5 +412,5 @@ def verify_donated_inputs_deleted(old_leaves: list[tuple[Any, jax.Array]]) -> No
         raise DonationError(
             f"train step: {len(alive)} donated state buffers were not consumed ({shown}); the "
             "step copied them instead of reusing them. Fix: re-materialise restored arrays "
-            "(train.state.copy_state) and keep state leaves distinct buffers."
+            "(train.checkpoint.rematerialize) and keep state leaves distinct buffers."
         )
