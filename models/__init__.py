@@ -14,8 +14,9 @@ Calling conventions (every registered module follows one):
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import flax.linen as fnn
@@ -33,12 +34,16 @@ class ModelSpec:
       options: pydantic model of the constructor's options (unknown keys rejected).
       task: ``"classify"`` or ``"lm"`` (see the module docstring for the calling convention).
       doc: one line shown by ``python -m models.summary --list``.
+      remat_presets: the preset names the model's ``remat`` option takes, each mapped to its
+        :class:`remat_nn.Plan` (None: no remat). A model with a ``remat`` option also takes a
+        ``Plan`` there directly, or refuses one with an error naming the model and the option.
     """
 
     build: Callable[..., fnn.Module]
     options: type[pydantic.BaseModel]
     task: Literal["classify", "lm"]
     doc: str = ""
+    remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 REGISTRY: dict[str, ModelSpec] = {}
@@ -68,7 +73,9 @@ def build(name: str, **options: Any) -> fnn.Module:
     """Validates ``options`` against the model's schema and builds the module."""
     spec = get(name)
     opts = spec.options.model_validate(options)
-    return spec.build(**opts.model_dump())
+    # The validated values as they are: model_dump would turn a remat_nn.Plan (a dataclass) into
+    # a dict.
+    return spec.build(**dict(opts))
 
 
 def _load_builtin() -> None:

@@ -37,7 +37,7 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as fnn
 import jax
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import pydantic
 
 import models
+import remat_nn as rn
 from remat_nn import nn as rnn
 
 __all__ = [
@@ -389,22 +390,48 @@ class RevNet(fnn.Module):
 class _ImageOptions(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
+    #: The registered name errors call the model by (each registered variant sets its own).
+    registered_name: ClassVar[str] = ""
+    #: Why the model takes no remat plan, and the fix (the ``remat`` option's error).
+    remat_refusal: ClassVar[str] = ""
+
     width: float = pydantic.Field(1.0, gt=0, description="multiplier of every channel width")
     num_classes: pydantic.PositiveInt = 10
     image_size: pydantic.PositiveInt = pydantic.Field(32, description="H = W of the input")
     in_channels: pydantic.PositiveInt = 3
     dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: None = pydantic.Field(None, description="takes no remat plan (only null)")
+
+    @pydantic.field_validator("remat", mode="before")
+    @classmethod
+    def _no_remat(cls, v: Any) -> None:
+        # Explicit, so a plan or preset is refused naming the model, not as an unknown type.
+        if v is not None:
+            shown = f"<plan {v}>" if isinstance(v, rn.Plan) else repr(v)
+            raise ValueError(f"{cls.registered_name}: option remat={shown}: {cls.remat_refusal}")
+        return v
 
 
 class ResNetOptions(_ImageOptions):
     """Options of the ResNet baselines (unknown keys rejected)."""
 
+    registered_name: ClassVar[str] = "resnet"
+    remat_refusal: ClassVar[str] = (
+        "ResNet takes no remat plan (its activations are not named for one). Fix: drop remat; "
+        "for activation memory that does not grow with depth, train a revnet."
+    )
     depth: Literal[32, 110, 164] = 32
 
 
 class RevNetOptions(_ImageOptions):
     """Options of the RevNets (unknown keys rejected)."""
 
+    registered_name: ClassVar[str] = "revnet"
+    remat_refusal: ClassVar[str] = (
+        "RevNet takes no remat plan: its reversible blocks reconstruct their activations in the "
+        "backward pass instead of storing them (reversible=false is the plain-autodiff "
+        "reference). Fix: drop remat."
+    )
     depth: Literal[38, 110, 164] = 38
     reversible: bool = True
     anchor_every: pydantic.PositiveInt | None = None
@@ -463,6 +490,7 @@ def _register() -> None:
                 __base__=options,
                 depth=(Literal[depth], depth),  # type: ignore[valid-type]
             )
+            fixed.registered_name = f"{family}{depth}"
             title = {"resnet": "ResNet", "revnet": "RevNet"}[family]
             spec = models.ModelSpec(build, fixed, "classify", f"{title}-{depth}: {doc}")
             models.register(f"{family}{depth}", spec)

@@ -73,11 +73,13 @@ REMAT_PRESETS: Mapping[str, rn.Plan | None] = MappingProxyType(
 )
 
 
-def remat_plan(remat: str, custom_plan: Mapping[str, Any] | None = None) -> rn.Plan | None:
-    """The plan a preset name stands for; ``"custom"`` builds ``custom_plan``.
+def remat_plan(
+    remat: str | rn.Plan, custom_plan: Mapping[str, Any] | None = None
+) -> rn.Plan | None:
+    """The plan a preset name stands for; ``"custom"`` builds ``custom_plan``; a plan is itself.
 
     Args:
-      remat: a key of :data:`REMAT_PRESETS`, or ``"custom"``.
+      remat: a key of :data:`REMAT_PRESETS`, ``"custom"``, or a :class:`remat_nn.Plan`.
       custom_plan: the per-name mapping ``{"save": [...], "offload": [...], "recompute": [...],
         "default": ...}`` used when ``remat == "custom"``.
 
@@ -89,7 +91,17 @@ def remat_plan(remat: str, custom_plan: Mapping[str, Any] | None = None) -> rn.P
 
     >>> remat_plan("save_qkv_proj").save
     ('query_proj', 'key_proj', 'value_proj')
+    >>> p = rn.plan({"offload": ["mlp_hidden"]})
+    >>> remat_plan(p) is p
+    True
     """
+    if isinstance(remat, rn.Plan):
+        if custom_plan is not None:
+            raise ValueError(
+                f"transformer: custom_plan is only read with remat='custom', got a plan as remat "
+                f"({remat}). Fix: drop custom_plan (the plan is the whole of it)."
+            )
+        return remat
     if remat == "custom":
         if custom_plan is None:
             raise ValueError(
@@ -361,9 +373,13 @@ class Transformer(fnn.Module):
 # --- registry ---------------------------------------------------------------------------------
 
 
-def _default_remat(remat: str | None, reversible: bool) -> str:
+def _default_remat(remat: str | rn.Plan | None, reversible: bool) -> str | rn.Plan:
     # Unset: recompute whole blocks ("full"), or nothing for reversible blocks.
     return remat if remat is not None else ("none" if reversible else "full")
+
+
+def _shown(remat: str | rn.Plan | None) -> str:
+    return f"<plan {remat}>" if isinstance(remat, rn.Plan) else repr(remat)
 
 
 class TransformerOptions(pydantic.BaseModel):
@@ -379,11 +395,25 @@ class TransformerOptions(pydantic.BaseModel):
     max_len: pydantic.PositiveInt = 256
     position: Literal["learned", "rotary"] = "learned"
     scan_layers: bool = True
-    remat: str | None = None
+    remat: str | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
+        None, description="a preset of REMAT_PRESETS, 'custom' (with custom_plan), or a Plan"
+    )
     custom_plan: dict[str, Any] | None = None
     reversible: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
     dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)
+
+    @pydantic.field_validator("remat", mode="before")
+    @classmethod
+    def _remat_form(cls, v: Any) -> Any:
+        # One message instead of one per member of the union.
+        if v is not None and not isinstance(v, str | rn.Plan):
+            raise ValueError(
+                f"transformer: option remat must be a preset name ({', '.join(REMAT_PRESETS)}), "
+                f"'custom' with custom_plan, or a remat_nn.Plan; got {type(v).__name__} {v!r}. "
+                "Fix: e.g. remat=rn.plan({'save': ['query_proj']})."
+            )
+        return v
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TransformerOptions:
@@ -397,10 +427,10 @@ class TransformerOptions(pydantic.BaseModel):
                 f"rotary position embedding needs an even head width, got "
                 f"d_model // n_heads = {self.d_model // self.n_heads}."
             )
-        if self.reversible and self.remat not in (None, "none"):
+        if self.reversible and self.remat is not None and self.remat != "none":
             raise ValueError(
-                f"remat={self.remat!r} with reversible=true: reversible blocks reconstruct their "
-                "activations and keep none per layer, so a remat plan has nothing to act on. "
+                f"remat={_shown(self.remat)} with reversible=true: reversible blocks reconstruct "
+                "their activations and keep none per layer, so a remat plan has nothing to act on. "
                 "Fix: drop remat (or set remat=none), or set reversible=false."
             )
         remat_plan(_default_remat(self.remat, self.reversible), self.custom_plan)
@@ -417,7 +447,7 @@ def build(
     max_len: int = 256,
     position: str = "learned",
     scan_layers: bool = True,
-    remat: str | None = None,
+    remat: str | rn.Plan | None = None,
     custom_plan: Mapping[str, Any] | None = None,
     reversible: bool = False,
     dtype: str = "float32",
@@ -427,6 +457,8 @@ def build(
 
     >>> build(d_model=32, n_heads=2, remat="save_qkv_proj").remat.save
     ('query_proj', 'key_proj', 'value_proj')
+    >>> build(d_model=32, n_heads=2, remat=rn.plan({"save": ["context"]})).remat.save
+    ('context',)
     """
     return Transformer(
         vocab_size=vocab_size,
@@ -451,5 +483,6 @@ models.register(
         options=TransformerOptions,
         task="lm",
         doc="GPT-style decoder LM with named activations, remat presets, scan and reversible",
+        remat_presets=REMAT_PRESETS,
     ),
 )

@@ -183,6 +183,30 @@ def test_preset_same_loss_and_grads_and_promised_residuals(preset, lm_data):
         assert got == {"saved": set(plan.save), "offloaded": set(plan.offload)}, preset
 
 
+def test_transformer_takes_a_plan_as_its_remat_option():
+    plan = rn.plan(CUSTOM)
+    m = models.build("transformer", **TINY_LM, remat=plan)
+    assert m.remat is plan  # the object itself, not a copy made from its mapping
+    assert m == models.build("transformer", **TINY_LM, **_preset_kwargs("custom"))
+    assert models.get("transformer").remat_presets is tr.REMAT_PRESETS
+    with pytest.raises(pydantic.ValidationError, match="custom_plan is only read"):
+        models.build("transformer", **TINY_LM, remat=plan, custom_plan=CUSTOM)
+    with pytest.raises(pydantic.ValidationError, match=r"remat=<plan save=attention_scores"):
+        models.build("transformer", **TINY_LM, remat=plan, reversible=True)
+    with pytest.raises(pydantic.ValidationError, match=r"1 validation error[\s\S]*remat_nn.Plan"):
+        models.build("transformer", **TINY_LM, remat=3)  # one message, not one per union member
+
+
+@pytest.mark.parametrize("name", ["revnet38", "revnet", "resnet32", "resnet110"])
+def test_image_models_refuse_a_remat_plan_naming_the_model_and_the_option(name):
+    assert models.build(name, remat=None) == models.build(name)
+    title = {"revnet": "RevNet", "resnet": "ResNet"}[name.rstrip("0123456789")]
+    for given, shown in ((rn.plan({"save": ["x"]}), "<plan save=x"), ("full", "'full'")):
+        with pytest.raises(pydantic.ValidationError, match=f"{name}: option remat={shown}") as e:
+            models.build(name, remat=given)
+        assert f"{title} takes no remat plan" in str(e.value)
+
+
 @pytest.mark.parametrize("preset", ["qkv_proj_offloaded", "minimal_offloaded"])
 def test_offload_presets_lower_to_host_memory(preset, lm_data):
     # The CPU run (same gradients) is in the preset test above. XLA:CPU has one memory, and

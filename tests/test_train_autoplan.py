@@ -64,3 +64,94 @@ def test_host_offload_on_cpu_can_be_refused(tmp_path):
     with pytest.raises(ValueError, match=r"offloads \['mlp_hidden'\].*Fix: run on GPU/TPU"):
         loop.run(cfg, out=lambda line: None)
     assert not (tmp_path / "checkpoints").exists()
+
+
+# --- train/remat.py: the config's remat read into one remat_nn.Plan ------------------------------
+
+LM = ["model.name=transformer", "data.source=corpus"]
+
+
+def test_resolve_reads_every_form_into_a_plan():
+    import models
+    from train import remat as remat_lib
+    from train.autoplan import AutoRequest
+
+    presets = models.get("transformer").remat_presets
+    resolve = lambda *o: remat_lib.resolve(load_config(None, [*LM, *o]))  # noqa: E731
+    assert resolve("remat=minimal") == presets["minimal"]
+    assert resolve("remat=none") == remat_lib.NO_REMAT
+    assert resolve() is None  # the model's default plan stands
+    plan = rn.plan({"save": ["query_proj"], "offload": ["mlp_hidden"]})
+    assert resolve("remat={save: [query_proj], offload: [mlp_hidden]}") == plan
+    auto = resolve("remat={policy: auto, budget: 2GiB, allow: [save, recompute]}")
+    assert auto == AutoRequest(budget="2GiB", allow=("save", "recompute"))
+    # The model's own option, as a preset or the transformer's custom spelling.
+    assert resolve("model.options.remat=save_out_proj") == presets["save_out_proj"]
+    custom = resolve("model.options.remat=custom", "model.options.custom_plan={save: [context]}")
+    assert custom == rn.plan({"save": ["context"]})
+
+
+def test_the_model_gets_the_plan_object_itself():
+    import models
+    from train import remat as remat_lib
+
+    plan = rn.plan({"save": ["query_proj"], "offload": ["mlp_hidden"]})
+    opts = {"d_model": 32, "n_heads": 2, "remat": "custom", "custom_plan": {"save": ["x"]}}
+    built = models.build("transformer", **remat_lib.model_options_with_plan(opts, plan))
+    assert built.remat is plan  # not a mapping parsed again on the way
+    none = remat_lib.model_options_with_plan(opts, remat_lib.NO_REMAT)
+    assert models.build("transformer", **none).remat is None
+    for keep in (None, remat_lib.resolve(cfg_for("x", "remat={policy: auto, budget: 0.5}"))):
+        assert remat_lib.model_options_with_plan(opts, keep) == opts
+
+
+def test_offload_check_on_the_plan(monkeypatch):
+    import warnings
+
+    from train import remat as remat_lib
+    from train.errors import SetupError
+
+    lines: list[str] = []
+    offloading = rn.plan({"offload": ["mlp_hidden"], "save": ["query_proj"]})
+    with pytest.warns(RuntimeWarning, match=r"offloads \['mlp_hidden'\].*single memory"):
+        remat_lib.check_offload(offloading, "warn", lines.append)
+    assert len(lines) == 1 and lines[0].startswith("warning: remat plan offloads")
+    with pytest.raises(SetupError, match=r"offloads \['mlp_hidden'\].*Fix: run on GPU/TPU"):
+        remat_lib.check_offload(offloading, "error", lines.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for quiet in (rn.plan({"save": ["query_proj"]}), remat_lib.NO_REMAT, None):
+            remat_lib.check_offload(quiet, "error", lines.append)
+        monkeypatch.setattr(remat_lib.jax, "default_backend", lambda: "gpu")
+        remat_lib.check_offload(offloading, "error", lines.append)  # offload is real there
+    assert len(lines) == 1
+
+
+def test_auto_request_passes_only_the_keys_given():
+    from train.autoplan import AutoRequest
+
+    plain = AutoRequest.from_config({"policy": "auto", "budget": "1GiB"})
+    assert plain.planner_kwargs() == {"flops_per_second": 1e12, "memory_bandwidth": 1e11}
+    full = AutoRequest.from_config({"policy": "auto", "budget": 0.5, "allow": ["save"],
+                                    "host_bandwidth": 8e9, "flops_per_second": 2e12})  # fmt: skip
+    want = {"allow": ["save"], "host_bandwidth": 8e9, "flops_per_second": 2e12,
+            "memory_bandwidth": 1e11}  # fmt: skip
+    assert full.planner_kwargs() == want
+    with pytest.raises(ValueError, match=r"remat\.budget.*remat\.bugdet|remat\.bugdet.*budget"):
+        AutoRequest.from_config({"policy": "auto", "bugdet": 1})
+
+
+def test_a_model_that_refuses_plans_is_named_in_the_config_error():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.name=revnet38", "remat=full"])
+    errors = dict(info.value.errors)
+    assert set(errors) == {"remat"} and "revnet38: option remat='full'" in errors["remat"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.name=resnet32", "remat={policy: auto, budget: 0.5}"])
+    errors = dict(info.value.errors)
+    assert set(errors) == {"remat"} and "policy: auto" in errors["remat"]
+    assert "resnet32: option remat=" in errors["remat"]
+    # Planned plans reach a reversible transformer no better than written ones: refused upfront.
+    reversible = [*LM, "model.options.reversible=true", "remat={policy: auto, budget: 0.5}"]
+    with pytest.raises(ConfigError, match=r"remat: policy: auto .*reversible=true"):
+        load_config(None, reversible)

@@ -129,3 +129,130 @@ def test_cli_help_and_config_errors(tmp_path):
     assert "Traceback" not in result.stderr
     for path in ("optim.lr", "train.stepz", "mesh"):
         assert f"  {path}:" in result.stderr, result.stderr
+
+
+# --- resume-safe keys: marked on the schema, compared in the effective form -----------------------
+
+
+def test_the_public_names_stay_importable_from_train_config():
+    import train.config as config
+
+    for name in ("Config", "ConfigError", "Optim", "Train", "Checkpoint", "Mesh", "Distributed",
+                 "Data", "Model", "Synthetic", "YamlLoader", "apply_overrides", "load_config",
+                 "dump_config", "describe_options", "safe_field", "is_resume_safe"):  # fmt: skip
+        assert name in config.__all__ and getattr(config, name) is not None, name
+    assert config.ConfigError.__module__ == "train.config"  # as tracebacks show it
+
+
+def test_resume_safe_keys_are_read_from_the_schema_marks(monkeypatch):
+    from train import integrity
+    from train.config import Train, is_resume_safe, resume_safe_keys
+
+    assert not hasattr(integrity, "RESUME_SAFE")  # no hand-kept list beside the schema
+    for key in ("name", "run_dir", "train.steps", "train.log_every", "train.eval_every",
+                "train.progress", "checkpoint.keep", "checkpoint.best_metric",
+                "distributed.coordinator_address", "distributed.process_id"):  # fmt: skip
+        assert is_resume_safe(key), key
+    for key in ("optim.lr", "optim.schedule_steps", "optim.decay_exclude", "train.seed",
+                "train.compute_dtype", "model.options.depth", "remat", "remat.save", "mesh.fsdp",
+                "optim.decay_all", "nosuch", "train"):  # fmt: skip
+        assert not is_resume_safe(key), key
+    assert "distributed.*" in resume_safe_keys() and "checkpoint.*" in resume_safe_keys()
+    # Marking a field is all it takes (and all there is): the mark is what is read.
+    monkeypatch.setattr(Train.model_fields["seed"], "json_schema_extra", {"resume_safe": True})
+    assert is_resume_safe("train.seed") and "train.seed" in resume_safe_keys()
+
+
+def test_help_says_which_options_may_change_on_resume():
+    from train.config import describe_options
+
+    lines = {line.split(":")[0].strip(): line for line in describe_options().splitlines()
+             if line.startswith("  ") and not line.startswith("   ")}  # fmt: skip
+    for key in ("train.steps", "train.log_every", "checkpoint.every", "distributed.process_id",
+                "name"):  # fmt: skip
+        assert lines[key].endswith("[resume-safe]"), lines[key]
+    for key in ("optim.lr", "optim.schedule_steps", "train.seed", "mesh.fsdp", "remat"):
+        assert "[resume-safe]" not in lines[key], lines[key]
+    assert "[resume-safe] may change when a run resumes" in describe_options()
+
+
+def _dumped(*overrides: str) -> dict:
+    return load_config(None, list(overrides)).model_dump(mode="json")
+
+
+def test_raising_train_steps_alone_stretches_a_cosine_schedule_and_is_unsafe():
+    from train.integrity import config_diff, config_hash
+
+    old, new = _dumped("train.steps=1000"), _dumped("train.steps=1500")
+    unsafe, safe = config_diff(old, new)
+    assert unsafe == ["  optim.schedule_steps: 1000 -> 1500"]
+    assert safe == ["  train.steps: 1000 -> 1500"]
+    assert config_hash(old) != config_hash(new)
+
+
+def test_extending_with_the_old_schedule_span_is_a_safe_change():
+    from train.integrity import config_diff, config_hash
+
+    old = _dumped("train.steps=1000")
+    new = _dumped("train.steps=1500", "optim.schedule_steps=1000")
+    assert config_diff(old, new) == ([], ["  train.steps: 1000 -> 1500"])
+    assert config_hash(old) == config_hash(new)
+    # Writing out the span the old run had implicitly is no change at all.
+    assert config_diff(old, _dumped("train.steps=1000", "optim.schedule_steps=1000")) == ([], [])
+    # A second extension compares against the first one's config.
+    newer = _dumped("train.steps=2000", "optim.schedule_steps=1000")
+    assert config_diff(new, newer) == ([], ["  train.steps: 1500 -> 2000"])
+
+
+def test_a_constant_schedule_does_not_care_how_long_the_run_is():
+    from train.integrity import config_diff, config_hash
+
+    old = _dumped("optim.schedule=constant", "train.steps=1000")
+    new = _dumped("optim.schedule=constant", "train.steps=1500")
+    assert config_diff(old, new) == ([], ["  train.steps: 1000 -> 1500"])
+    assert config_hash(old) == config_hash(new)
+
+
+def test_other_changes_keep_their_verdicts():
+    from train.integrity import config_diff, config_hash
+
+    old = _dumped()
+    cadence = _dumped("train.log_every=7", "checkpoint.keep=9", "distributed.process_id=0",
+                      "train.progress='off'")  # fmt: skip
+    unsafe, safe = config_diff(old, cadence)
+    assert unsafe == [] and len(safe) == 4 and config_hash(old) == config_hash(cadence)
+    lr = _dumped("optim.lr=0.2")
+    assert config_diff(old, lr) == (["  optim.lr: 0.1 -> 0.2"], [])
+    assert config_hash(old) != config_hash(lr)
+    # A key an older run had and the schema no longer knows is an unsafe change.
+    older = {**old, "optim": {**old["optim"], "decay_all": False}}
+    assert config_diff(older, old)[0] == ["  optim.decay_all: False -> '(unset)'"]
+
+
+# --- optimizer options ----------------------------------------------------------------------------
+
+
+def test_decay_all_is_refused_naming_its_replacement(tmp_path):
+    for value in ("true", "false"):
+        errs = errors_of(None, [f"optim.decay_all={value}"])
+        assert set(errs) == {"optim.decay_all"}
+        assert "optim.decay_exclude" in errs["optim.decay_all"]
+        assert "decay_exclude: []" in errs["optim.decay_all"]  # what decay_all: true means
+    old = tmp_path / "old.yaml"
+    old.write_text("optim: {weight_decay: 5e-4, decay_all: true}\n")
+    assert "decay_exclude" in errors_of(old)["optim.decay_all"]
+
+
+def test_decay_exclude_and_schedule_steps_defaults_and_values():
+    cfg = load_config(None, [])
+    assert cfg.optim.decay_exclude == ["bias", "scale"] and cfg.optim.schedule_steps is None
+    cfg = load_config(None, ["optim.decay_exclude=[]", "optim.schedule_steps=800"])
+    assert cfg.optim.decay_exclude == [] and cfg.optim.schedule_steps == 800
+    cfg = load_config(None, ["optim.decay_exclude=[blocks/*/bias, embedding]"])
+    assert cfg.optim.decay_exclude == ["blocks/*/bias", "embedding"]
+    assert "optim.schedule_steps" in errors_of(None, ["optim.schedule_steps=0"])
+    assert "optim.decay_exclude" in errors_of(None, ["optim.decay_exclude=bias"])
+    from train.config import describe_options
+
+    text = " ".join(describe_options().split())
+    assert "fnmatch glob" in text and "not stretched" in text

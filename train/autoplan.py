@@ -9,7 +9,8 @@ first step; a resumed run reads it back instead of planning again, so it keeps t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +20,118 @@ import yaml
 import remat_nn as rn
 from train import state as state_lib
 
-__all__ = ["PLAN_FILE", "is_auto", "load_or_plan"]
+__all__ = ["PLAN_FILE", "AutoRequest", "is_auto", "load_or_plan", "request_errors"]
 
 PLAN_FILE = "remat_plan.yaml"
 
+_KEYS = ("policy", "budget", "allow", "host_bandwidth", "flops_per_second", "memory_bandwidth")
+_RATES = ("host_bandwidth", "flops_per_second", "memory_bandwidth")
+
 
 def is_auto(remat: Any) -> bool:
-    """Whether a config's ``remat`` asks for the planner."""
-    return isinstance(remat, dict) and remat.get("policy") == "auto"
+    """Whether a config's ``remat`` asks for the planner.
+
+    >>> is_auto({"policy": "auto", "budget": "2GiB"}), is_auto({"save": ["query_proj"]})
+    (True, False)
+    """
+    return isinstance(remat, Mapping) and remat.get("policy") == "auto"
+
+
+def request_errors(remat: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The problems of a ``{policy: auto, ...}`` mapping, as ``(dotted path, message)`` pairs.
+
+    >>> request_errors({"policy": "auto", "budget": "2GiB", "allow": ["save", "offload"]})
+    []
+    >>> [path for path, _ in request_errors({"policy": "auto", "bugdet": 2})]
+    ['remat.bugdet', 'remat.budget']
+    """
+    errors = [(f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_KEYS)}")
+              for k in remat if k not in _KEYS]  # fmt: skip
+    if "budget" not in remat:
+        errors.append(("remat.budget", "policy: auto needs a budget, e.g. budget: 2GiB or 0.5"))
+    else:
+        try:
+            rn.parse_budget(remat["budget"], reference_bytes=1)
+        except (TypeError, ValueError) as e:
+            errors.append(("remat.budget", str(e)))
+    allow = remat.get("allow", ["save"])
+    if (
+        not isinstance(allow, list)
+        or "save" not in allow
+        or not set(allow) <= set(("save", "offload", "recompute"))
+    ):
+        hint = ""
+        if isinstance(allow, list) and "invert" in allow:
+            hint = "; invert is not per name: build a reversible model (model.options.reversible)"
+        errors.append(
+            ("remat.allow", f"must list 'save' and any of offload, recompute; got {allow!r}{hint}")
+        )
+    for k in _RATES:
+        v = remat.get(k, 1.0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            errors.append((f"remat.{k}", f"must be a positive number, got {v!r}"))
+    return errors
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """``remat: {policy: auto, budget: ...}``: a plan for the budget planner to choose at start.
+
+    Attributes:
+      budget: bound on the step's temp memory, as :func:`remat_nn.parse_budget` reads it
+        (``"2GiB"``, bytes, or a fraction of the no-remat memory such as ``0.5``).
+      allow: the actions the planner may use; None: the planner's default.
+      host_bandwidth: bytes per second to host and back, for offload; None: the planner's.
+      flops_per_second: recompute speed of the cost model (fixed, not measured: the same
+        choice on every process and every rerun).
+      memory_bandwidth: bytes per second of a saved value's write and read, likewise fixed.
+
+    >>> AutoRequest.from_config({"policy": "auto", "budget": 0.5}).planner_kwargs()
+    {'flops_per_second': 1000000000000.0, 'memory_bandwidth': 100000000000.0}
+    """
+
+    budget: str | int | float
+    allow: tuple[str, ...] | None = None
+    host_bandwidth: float | None = None
+    flops_per_second: float = 1e12
+    memory_bandwidth: float = 1e11
+
+    @classmethod
+    def from_config(cls, remat: Mapping[str, Any]) -> AutoRequest:
+        """The request a config's ``{policy: auto, ...}`` mapping makes.
+
+        Raises:
+          ValueError: the mapping has problems (:func:`request_errors`), all of them listed.
+        """
+        problems = request_errors(remat) if is_auto(remat) else [("remat", "not policy: auto")]
+        if problems:
+            raise ValueError(
+                "remat: {policy: auto, ...} is not a valid request: "
+                + "; ".join(f"{path}: {msg}" for path, msg in problems)
+            )
+        allow = remat.get("allow")
+        return cls(
+            budget=remat["budget"],
+            allow=None if allow is None else tuple(allow),
+            host_bandwidth=remat.get("host_bandwidth"),
+            flops_per_second=float(remat.get("flops_per_second", 1e12)),
+            memory_bandwidth=float(remat.get("memory_bandwidth", 1e11)),
+        )
+
+    def planner_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`remat_nn.plan_for_budget` besides the budget."""
+        kwargs: dict[str, Any] = {}
+        if self.allow is not None:
+            kwargs["allow"] = list(self.allow)
+        if self.host_bandwidth is not None:
+            kwargs["host_bandwidth"] = self.host_bandwidth
+        kwargs["flops_per_second"] = self.flops_per_second
+        kwargs["memory_bandwidth"] = self.memory_bandwidth
+        return kwargs
 
 
 def load_or_plan(
-    remat: dict[str, Any],
+    remat: AutoRequest | Mapping[str, Any],
     *,
     run_dir: Path,
     build: Callable[[Any], Any],
@@ -44,11 +145,11 @@ def load_or_plan(
     """The run's plan: read from ``run_dir`` if saved there, else planned and saved.
 
     Args:
-      remat: the config's ``{policy: auto, budget: ...}`` mapping (budget as in
-        :func:`remat_nn.parse_budget`, e.g. ``2GiB`` or ``0.5`` of the no-remat memory;
-        optional ``allow``, ``host_bandwidth``, ``flops_per_second`` and ``memory_bandwidth``).
+      remat: the request (:func:`train.remat.resolve` gives it), or the config's
+        ``{policy: auto, budget: ...}`` mapping it is made from.
       run_dir: the run directory.
-      build: ``build(policy) -> module`` for a plan or ``"none"`` (no remat).
+      build: ``build(policy) -> module`` for a plan or ``"none"`` (no remat); e.g.
+        ``models.build(name, **train.remat.model_options_with_plan(options, policy))``.
       abstract_state: the train state's shapes (nothing is run).
       batch: one device's batch, as shapes.
       compute_dtype: as in the train step.
@@ -56,6 +157,7 @@ def load_or_plan(
       say: where the report goes.
       write: save the chosen plan (False for a dry run).
     """
+    request = remat if isinstance(remat, AutoRequest) else AutoRequest.from_config(remat)
     path = run_dir / PLAN_FILE
     if path.exists():
         the_plan = rn.plan(path)
@@ -71,21 +173,18 @@ def load_or_plan(
     # Fixed speeds (not measured ones) keep the choice identical on every process and every
     # rerun; override with remat.flops_per_second / memory_bandwidth. Nothing is timed: the state
     # is abstract here, so the choice is the cost model's.
-    kwargs = {k: remat[k] for k in ("allow", "host_bandwidth") if k in remat}
-    kwargs["flops_per_second"] = float(remat.get("flops_per_second", 1e12))
-    kwargs["memory_bandwidth"] = float(remat.get("memory_bandwidth", 1e11))
     report = rn.plan_for_budget(
         loss,
         abstract_state.params,
         abstract_state.batch_stats,
         batch,
         jax.random.key(0),
-        budget=remat["budget"],
+        budget=request.budget,
         measure=False,
         log=say,
-        **kwargs,
+        **request.planner_kwargs(),
     )
-    say(f"remat plan (auto, budget {remat['budget']}):\n{report}")
+    say(f"remat plan (auto, budget {request.budget}):\n{report}")
     if write and jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         header = "".join(f"# {line}\n" for line in str(report).splitlines())

@@ -34,6 +34,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train.config import is_resume_safe, resume_view
+
 __all__ = [
     "MANIFEST",
     "MANIFEST_PART",
@@ -57,13 +59,6 @@ __all__ = [
 MANIFEST = "manifest.json"
 MANIFEST_PART = "manifest.process-{}.json"  # the part written by process i > 0
 ORBAX_TMP = ".orbax-checkpoint-tmp"
-# Keys a resumed run may change without changing what it computes.
-RESUME_SAFE = (
-    "name", "run_dir", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.progress", "train.plot", "train.compile_cache", "train.verify_donation",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.keep_best", "checkpoint.best_metric",
-    "checkpoint.async_save", "distributed.",
-)  # fmt: skip
 
 
 class CheckpointError(RuntimeError):
@@ -335,8 +330,12 @@ def structure_problems(
 
 
 def config_hash(cfg_dict: dict[str, Any]) -> str:
-    """sha256 of the config's keys that change what a run computes (not the resume-safe ones)."""
-    kept = {k: v for k, v in _flat(cfg_dict).items() if not _resume_safe(k)}
+    """sha256 of the config's keys that change what a run computes (not the resume-safe ones).
+
+    Hashed in the effective form (:func:`train.config.resume_view`): two configs whose learning
+    rate schedules span the same steps hash alike whatever their ``train.steps``.
+    """
+    kept = {k: v for k, v in _flat(resume_view(cfg_dict)).items() if not is_resume_safe(k)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
@@ -350,18 +349,26 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _resume_safe(key: str) -> bool:
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in RESUME_SAFE)
-
-
 def config_diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(unsafe, safe)`` changed keys as ``key: old -> new`` lines."""
-    a, b = _flat(old), _flat(new)
+    """``(unsafe, safe)`` changed keys as ``key: old -> new`` lines.
+
+    Safe keys are those the schema marks resume-safe (:func:`train.config.is_resume_safe`).
+    Both configs are compared in their effective form (:func:`train.config.resume_view`), so a
+    longer run on the same schedule changes only ``train.steps`` (safe), while a longer run
+    that would stretch a cosine schedule also changes ``optim.schedule_steps`` (unsafe).
+
+    >>> config_diff({"train": {"steps": 8}}, {"train": {"steps": 12}})
+    (['  optim.schedule_steps: 8 -> 12'], ['  train.steps: 8 -> 12'])
+    >>> extended = {"train": {"steps": 12}, "optim": {"schedule_steps": 8}}
+    >>> config_diff({"train": {"steps": 8}}, extended)
+    ([], ['  train.steps: 8 -> 12'])
+    """
+    a, b = _flat(resume_view(old)), _flat(resume_view(new))
     unsafe, safe = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "(unset)") != b.get(key, "(unset)"):
             line = f"  {key}: {a.get(key, '(unset)')!r} -> {b.get(key, '(unset)')!r}"
-            (safe if _resume_safe(key) else unsafe).append(line)
+            (safe if is_resume_safe(key) else unsafe).append(line)
     return unsafe, safe
 
 

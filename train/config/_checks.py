@@ -1,0 +1,109 @@
+"""Cross-checks of a config against the model registry, run after (and beside) the schema.
+
+The model name must be registered and its options pass the model's own schema; the top-level
+``remat`` must be something the model takes (a preset it has, a valid per-name plan, or the
+``policy: auto`` form with valid keys, checked by :func:`train.autoplan.request_errors`); the data
+source must fit the model's task and ``data.seq_len`` its ``max_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+
+from train.config._errors import pydantic_errors
+from train.config._schema import Config, Model
+
+__all__ = ["registry_errors", "registry_inputs"]
+
+_LM_SOURCES = {"text", "corpus", "synthetic"}
+_IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
+
+
+def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tuple[str, str]]]:
+    # What the model's `remat` option receives from the top-level `remat` (None: nothing), and
+    # the errors of the top-level value itself.
+    import remat_nn as rn
+    from train import autoplan
+
+    errors: list[tuple[str, str]] = []
+    if remat is None:
+        return None, errors
+    if "remat" not in fields:
+        errors.append(("remat", f"model {model.name!r} takes no remat plan option"))
+    elif "remat" in model.options:
+        errors.append(("remat", "set either remat or model.options.remat, not both"))
+    given: Any = None
+    if autoplan.is_auto(remat):
+        errors += autoplan.request_errors(remat)
+        given = rn.plan()  # stands in for the plan the planner will hand the model
+    elif isinstance(remat, dict):
+        try:
+            given = rn.plan(remat)
+        except rn.PlanError as e:
+            errors.append(("remat", str(e)))
+    else:
+        given = remat  # a preset name: the model's schema resolves it (did-you-mean included)
+    return (None if errors else given), errors
+
+
+def registry_errors(
+    model: Model, remat: Any, source: str | None, seq_len: int | None
+) -> list[tuple[str, str]]:
+    """The errors of the model section, the top-level remat and the data against the registry."""
+    import models
+    from train import autoplan
+
+    if not model.name:
+        return []  # the model section itself failed; its errors are already listed
+    try:
+        spec = models.get(model.name)
+    except ValueError as e:
+        return [("model.name", str(e))]
+    fields = spec.options.model_fields
+    given, errors = _remat_errors(model, fields, remat)
+    opts = dict(model.options)
+    if given is not None:
+        opts["remat"] = given
+    try:
+        spec.options.model_validate(opts)
+    except pydantic.ValidationError as e:
+        for path, msg in pydantic_errors(e, spec.options, "model.options"):
+            whole = path == "model.options" and "remat" in msg  # a check across options
+            if given is not None and (path == "model.options.remat" or whole):
+                path = "remat"
+                if autoplan.is_auto(remat):
+                    msg = f"policy: auto hands the model a remat plan, which it refuses: {msg}"
+            errors.append((path, msg))
+    allowed = _LM_SOURCES if spec.task == "lm" else _IMAGE_SOURCES
+    if source is not None and source not in allowed:
+        errors.append(
+            (
+                "data.source",
+                f"{source!r} does not fit model {model.name!r} (task {spec.task!r}); "
+                f"use one of {sorted(allowed)}",
+            )
+        )
+    max_len = opts.get("max_len", getattr(fields.get("max_len"), "default", None))
+    if spec.task == "lm" and isinstance(max_len, int) and seq_len and seq_len > max_len:
+        errors.append(("data.seq_len", f"{seq_len} exceeds the model's max_len={max_len}"))
+    return errors
+
+
+def registry_inputs(tree: dict[str, Any], cfg: Config | None) -> tuple[Any, ...]:
+    """``registry_errors``' arguments, from the validated config or, if it failed, the raw tree.
+
+    The registry checks run even when other sections fail, so all errors show at once.
+    """
+    if cfg is not None:
+        return cfg.model, cfg.remat, cfg.data.source, cfg.data.seq_len
+    try:
+        model = Model.model_validate(tree.get("model") or {})
+    except pydantic.ValidationError:
+        return Model.model_construct(name="", options={}), None, None, None
+    data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    source = data.get("source", "digits") if isinstance(data.get("source", ""), str) else None
+    seq_len = data.get("seq_len", 128) if isinstance(data.get("seq_len", 0), int) else None
+    remat = tree.get("remat") if isinstance(tree.get("remat"), str | dict) else None
+    return model, remat, source, seq_len

@@ -1,0 +1,87 @@
+"""ConfigError, and pydantic's validation errors as ``(dotted path, message)`` pairs."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pydantic
+
+__all__ = ["ConfigError", "pydantic_errors"]
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; ``errors`` holds ``(dotted_path, message)`` pairs.
+
+    Example of the wrong config and the fix::
+
+        optim: {lr: -1, momentun: 0.9}     # 2 errors: optim.lr out of range, optim.momentun unknown
+        optim: {lr: 0.1, momentum: 0.9}    # fix
+    """
+
+    __module__ = "train.config"  # its public home, as tracebacks and doctests show it
+
+    def __init__(self, source: str, errors: Sequence[tuple[str, str]]):
+        self.source = source
+        self.errors = list(errors)
+        n = len(self.errors)
+        lines = [f"{source}: {n} error{'s' if n != 1 else ''}"]
+        lines += [f"  {path or '<root>'}: {msg}" for path, msg in self.errors]
+        super().__init__("\n".join(lines))
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _fields_at(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> list[str]:
+    # The field names valid at `loc`'s parent, for did-you-mean hints.
+    cls: Any = model
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, pydantic.BaseModel)):
+            return []
+        cls = ann
+    return list(getattr(cls, "model_fields", {}))
+
+
+def pydantic_errors(
+    e: pydantic.ValidationError,
+    model: type[pydantic.BaseModel],
+    prefix: str = "",
+    *,
+    removed: Mapping[str, str] | None = None,
+) -> list[tuple[str, str]]:
+    """``e``'s errors as ``(dotted path, one-line message)``, with did-you-mean for unknown keys.
+
+    Args:
+      e: the validation error of ``model``.
+      model: the validated model (its fields make the did-you-mean hints).
+      prefix: dotted path of ``model`` in the whole config (``model.options``).
+      removed: dotted paths of keys that no longer exist -> what replaces them, shown instead
+        of "unknown key".
+    """
+    out = []
+    for err in e.errors(include_url=False):
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        path = ".".join(filter(None, [prefix, _dotted(loc)]))
+        if err["type"] == "extra_forbidden":
+            if removed and path in removed:
+                out.append((path, removed[path]))
+                continue
+            close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc), n=1)
+            hint = f" did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+            known = ", ".join(_fields_at(model, loc))
+            out.append((path, f"unknown key;{hint} known keys: {known}"))
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        # Values as YAML gives them are echoed; objects (a remat_nn.Plan) are named by the message.
+        got = err.get("input")
+        yaml_value = type(got).__module__ in ("builtins", "datetime")
+        scalar = yaml_value and not isinstance(got, dict | list)
+        if loc and "input" in err and scalar and err["type"] not in ("missing", "model_type"):
+            msg += f" (got {err['input']!r})"
+        out.append((path, msg))
+    return out

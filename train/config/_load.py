@@ -1,0 +1,70 @@
+"""``load_config``: a YAML file plus overrides, validated by the schema and the cross-checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from train.config._checks import registry_errors, registry_inputs
+from train.config._errors import ConfigError, pydantic_errors
+from train.config._schema import REMOVED_KEYS, Config
+from train.config._yaml import apply_overrides, read_text, read_yaml
+
+__all__ = ["dump_config", "load_config"]
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Reads ``path`` (YAML; None for the defaults), applies overrides and validates.
+
+    Args:
+      path: the YAML file.
+      overrides: ``key.sub=value`` strings, applied in order.
+
+    Returns:
+      The validated :class:`Config`; ``name`` defaults to the file's stem.
+
+    Raises:
+      ConfigError: every problem found, each with its dotted path.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    tree: Any = {}
+    errors: list[tuple[str, str]] = []
+    if path is not None:
+        p = Path(path)
+        tree, errors = read_yaml(read_text(p, source), source)
+        if tree is None:
+            raise ConfigError(
+                source,
+                [("", "the file holds no settings (it is empty or only comments). Fix: write "
+                      "the sections to change (model:, data:, optim:, ...), or omit --config "
+                      "to run with the defaults")],
+            )  # fmt: skip
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                source,
+                [("", f"the top level must be a mapping of sections (model:, data:, optim:, "
+                      f"...), got a {type(tree).__name__}")],
+            )  # fmt: skip
+        tree.setdefault("name", p.stem)
+    errors += apply_overrides(tree, overrides)
+    # A value already reported (a duplicate key, `yes`, `010`) is not reported again by the schema.
+    reported = {p for p, _ in errors}
+    cfg = None
+    try:
+        cfg = Config.model_validate(tree)
+    except pydantic.ValidationError as e:
+        found = pydantic_errors(e, Config, removed=REMOVED_KEYS)
+        errors += [err for err in found if err[0] not in reported]
+    errors += registry_errors(*registry_inputs(tree, cfg))
+    if errors or cfg is None:
+        raise ConfigError(source, errors or [("", "invalid config")])
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (what ``config.yaml`` in the run directory holds)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,284 @@
+"""The schema: one pydantic model per config section, unknown keys rejected.
+
+A field that a resumed run may change (it does not change what the run computes: logging,
+evaluation and checkpoint cadence, the run's length) is made with :func:`safe_field`; a whole
+section may be marked (``checkpoint``, ``distributed``). :mod:`train.config._resume` reads the
+marks; nothing else lists those keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic_core import PydanticUndefined
+
+__all__ = [
+    "REMOVED_KEYS",
+    "RESUME_SAFE",
+    "Checkpoint",
+    "Config",
+    "Data",
+    "Distributed",
+    "Mesh",
+    "Model",
+    "Optim",
+    "Synthetic",
+    "Train",
+    "safe_field",
+]
+
+#: The ``json_schema_extra`` key that marks a field (or a whole section) resume-safe.
+RESUME_SAFE = "resume_safe"
+
+#: Keys that no longer exist -> what replaces them (shown instead of "unknown key").
+REMOVED_KEYS = {
+    "optim.decay_all": "removed; use optim.decay_exclude, the fnmatch globs of parameters not "
+    "decayed. Fix: for decay_all: true write decay_exclude: [] (decay every parameter); for "
+    "decay_all: false drop it (the default decay_exclude: [bias, scale] spares biases and norm "
+    "scales)",
+}
+
+
+def safe_field(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """A pydantic ``Field`` that a resumed run may change; takes ``Field``'s arguments.
+
+    On a section (``distributed: Distributed = safe_field(default_factory=Distributed)``) it
+    marks every key of the section.
+
+    >>> class Section(pydantic.BaseModel):
+    ...     every: int = safe_field(10, description="steps between saves")
+    >>> Section.model_fields["every"].json_schema_extra
+    {'resume_safe': True}
+    """
+    return Field(default, json_schema_extra={RESUME_SAFE: True}, **kwargs)
+
+
+class _Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", validate_default=True)
+
+
+class Model(_Section):
+    """Which registered model to train (``models.get(name)``) and its constructor options."""
+
+    name: str = Field("revnet38", description="registered model name (see models.REGISTRY)")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="model constructor options, validated by the model's own schema; "
+        "num_classes, vocab_size, image_size and in_channels come from the data if unset",
+    )
+
+
+class Synthetic(_Section):
+    """Shape of the synthetic data set (``data.source: synthetic``), for benchmarks."""
+
+    num_examples: PositiveInt = Field(2048, description="training examples (or token windows)")
+    image_shape: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(
+        (32, 32, 3), description="(H, W, C) of each image, classification only"
+    )
+    num_classes: PositiveInt = Field(10, description="classes, classification only")
+    vocab_size: PositiveInt = Field(256, description="token ids, language modelling only")
+
+
+class Data(_Section):
+    """Where the examples come from and how they are batched."""
+
+    source: Literal["digits", "cifar10", "mnist", "npz", "text", "corpus", "synthetic"] = Field(
+        "digits",
+        description="digits: scikit-learn's bundled 8x8 digits (embedded default); cifar10: a "
+        "CIFAR-10 python-pickle directory; mnist: a directory of MNIST IDX files; npz: arrays "
+        "x_train/y_train[/x_test/y_test]; text: a plain text file (byte-level LM); corpus: the "
+        "Python docs text shipped with every Python (byte-level LM); synthetic: random data",
+    )
+    path: str | None = Field(None, description="file or directory for cifar10/mnist/npz/text")
+    batch_size: PositiveInt | None = Field(
+        128, description="global batch size (all devices, all processes)"
+    )
+    batch_size_per_device: PositiveInt | None = Field(
+        None, description="per-device batch size; global = this x mesh size (overrides batch_size)"
+    )
+    seq_len: PositiveInt = Field(128, description="tokens per example, language modelling only")
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="held-out share when the source has no test split"
+    )
+    split_seed: int = Field(0, description="seed of the fixed train/test split")
+    synthetic: Synthetic = Field(default_factory=Synthetic)  # type: ignore[arg-type]
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> Data:
+        needs_path = {"cifar10", "mnist", "npz", "text"}
+        if self.source in needs_path and not self.path:
+            raise ValueError(f"data.source={self.source!r} needs data.path (a file or directory)")
+        if self.batch_size is None and self.batch_size_per_device is None:
+            raise ValueError("set data.batch_size (global) or data.batch_size_per_device")
+        return self
+
+
+class Optim(_Section):
+    """The optax optimizer, learning-rate schedule, clipping and weight decay."""
+
+    name: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw")
+    lr: PositiveFloat = Field(0.1, description="peak learning rate")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd momentum (0 = plain sgd)")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
+    b1: float = Field(0.9, ge=0.0, lt=1.0, description="adamw beta1")
+    b2: float = Field(0.999, ge=0.0, lt=1.0, description="adamw beta2")
+    eps: PositiveFloat = Field(1e-8, description="adamw epsilon")
+    weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
+    decay_exclude: list[str] = Field(
+        ["bias", "scale"],
+        description="parameters weight decay skips: each entry is an fnmatch glob matched against "
+        "the parameter's path joined by '/' (blocks/attn/query/bias) and against its name (the "
+        "last component); a parameter is not decayed if any entry matches. The default spares "
+        "biases and norm scales however they are stacked (kernels and embeddings decay); [] "
+        "decays every parameter",
+    )
+    schedule_steps: PositiveInt | None = Field(
+        None,
+        description="steps the learning-rate schedule spans (the cosine decay length); null: "
+        "train.steps. To extend a finished run, raise train.steps and set this to the old total "
+        "so the schedule is not stretched",
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="lr after warm-up: constant, or cosine decay to final_lr_fraction"
+    )
+    warmup_steps: NonNegativeInt = Field(0, description="linear warm-up from 0 to lr")
+    final_lr_fraction: float = Field(0.0, ge=0.0, le=1.0, description="cosine end lr / lr")
+    clip_norm: PositiveFloat | None = Field(None, description="clip gradients to this global norm")
+
+
+class Train(_Section):
+    """Length of the run, logging, evaluation, precision and failure handling."""
+
+    steps: PositiveInt = safe_field(
+        1000,
+        description="optimizer steps of the whole run; raising it resumes a finished run (with "
+        "optim.schedule_steps set to the old total, else a cosine schedule would stretch)",
+    )
+    seed: int = Field(0, description="seed of init, dropout and data order")
+    log_every: PositiveInt = safe_field(50, description="steps between log lines (host syncs)")
+    eval_every: NonNegativeInt = safe_field(
+        0, description="steps between evaluations on the test split (0 = only at the end)"
+    )
+    eval_batches: PositiveInt | None = safe_field(
+        None, description="batches per evaluation (default: the whole test split)"
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the forward/backward; master weights stay float32"
+    )
+    on_nonfinite: Literal["halt", "skip"] = Field(
+        "halt",
+        description="NaN/Inf loss or gradient: halt keeping the last good checkpoint, or skip "
+        "the update",
+    )
+    verify_donation: bool = safe_field(
+        True, description="check the compiled step aliases the state and old buffers are freed"
+    )
+    offload_on_cpu: Literal["warn", "error"] = Field(
+        "warn",
+        description="a remat plan offloads to host memory on a CPU backend, which has one memory "
+        "(nothing moves): warn once and run, or refuse",
+    )
+    progress: Literal["auto", "on", "off"] = safe_field(
+        "auto", description="tqdm progress bar (auto: only on a TTY)"
+    )
+    plot: bool = safe_field(True, description="write plot.png of the curves at the end")
+    compile_cache: str | None = safe_field(
+        "runs/.jax_compile_cache",
+        description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
+        "XLA compilation (null: off)",
+    )
+
+
+class Checkpoint(_Section):
+    """Orbax checkpointing of the whole train state and the data position."""
+
+    every: PositiveInt = Field(100, description="steps between checkpoints (and at the end)")
+    keep: PositiveInt = Field(3, description="keep the last K checkpoints")
+    keep_best: NonNegativeInt = Field(
+        1, description="also keep the best K by best_metric (0 = off); needs eval_every"
+    )
+    best_metric: Literal["eval_accuracy", "eval_loss"] = Field(
+        "eval_accuracy", description="metric ranking checkpoints for keep_best"
+    )
+    async_save: bool = Field(True, description="write checkpoints in a background thread")
+
+
+class Mesh(_Section):
+    """Device mesh: batches split over data x fsdp, params and optimizer state over fsdp."""
+
+    data: int = Field(-1, description="data-parallel axis size (-1: all remaining devices)")
+    fsdp: int = Field(1, description="FSDP axis size (-1: all remaining devices)")
+    fsdp_min_size: NonNegativeInt = Field(
+        1024, description="arrays with fewer elements stay replicated"
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> Mesh:
+        for axis in ("data", "fsdp"):
+            v = getattr(self, axis)
+            if v == 0 or v < -1:
+                raise ValueError(f"mesh.{axis} must be a positive size or -1, got {v}")
+        if self.data == -1 and self.fsdp == -1:
+            raise ValueError("at most one of mesh.data / mesh.fsdp may be -1")
+        return self
+
+
+class Distributed(_Section):
+    """Multi-process setup (``jax.distributed.initialize``); flags and JAX_* env also work."""
+
+    coordinator_address: str | None = Field(None, description="host:port of process 0")
+    num_processes: PositiveInt | None = Field(None, description="number of processes")
+    process_id: NonNegativeInt | None = Field(None, description="this process's id")
+
+
+class Config(_Section):
+    """A whole run. Sections: model, remat, data, optim, train, checkpoint, mesh, distributed."""
+
+    name: str = safe_field("run", description="run name; default run_dir is runs/<name>")
+    run_dir: str | None = safe_field(None, description="where checkpoints, metrics and plots go")
+    model: Model = Field(default_factory=Model)  # type: ignore[arg-type]
+    remat: str | dict[str, Any] | None = Field(
+        None,
+        description="remat plan of the model: a preset name, {save: [...], offload: [...], "
+        "recompute: [...], default: recompute|save}, or {policy: auto, budget: 2GiB} for the "
+        "plan the budget planner picks (budget in B/KiB/MiB/GiB, or a fraction of no remat)",
+    )
+    data: Data = Field(default_factory=Data)  # type: ignore[arg-type]
+    optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
+    train: Train = Field(default_factory=Train)  # type: ignore[arg-type]
+    checkpoint: Checkpoint = safe_field(default_factory=Checkpoint)  # type: ignore[arg-type]
+    mesh: Mesh = Field(default_factory=Mesh)  # type: ignore[arg-type]
+    distributed: Distributed = safe_field(default_factory=Distributed)  # type: ignore[arg-type]
+
+    @pydantic.field_validator("remat", mode="before")
+    @classmethod
+    def _remat_form(cls, v: Any) -> Any:
+        # One message instead of one per member of the union.
+        if v is not None and not isinstance(v, str | dict):
+            raise ValueError(
+                f"must be a preset name (e.g. full) or a plan mapping {{save: [...], offload: "
+                f"[...], recompute: [...], default: recompute}}, got {type(v).__name__} {v!r}"
+            )
+        return v
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    def model_options(self) -> dict[str, Any]:
+        """The model options with the top-level ``remat`` folded in the legacy way.
+
+        ``remat: <preset>`` becomes ``options.remat``; a per-name mapping becomes
+        ``remat="custom"`` and ``custom_plan``. Kept for train/loop.py until it calls
+        :mod:`train.remat` (which hands the model a ``remat_nn.Plan`` instead); then delete.
+        """
+        opts = dict(self.model.options)
+        if isinstance(self.remat, str):
+            opts["remat"] = self.remat
+        elif isinstance(self.remat, dict) and self.remat.get("policy") != "auto":
+            opts["remat"] = "custom"
+            opts["custom_plan"] = dict(self.remat)
+        return opts

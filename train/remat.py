@@ -1,0 +1,138 @@
+"""The run's remat plan: the config's ``remat`` turned into a :class:`remat_nn.Plan`, once.
+
+A config names the plan at the top level (``remat:``) or, for the transformer, as the model's own
+option (``model.options.remat``, with ``custom_plan`` for ``custom``), in one of three forms:
+
+- a preset name of the model (``full``, ``minimal``, ...; ``none`` is no remat), looked up in the
+  model's ``remat_presets`` (the registry, :class:`models.ModelSpec`);
+- a per-name plan ``{save: [...], offload: [...], recompute: [...], default: recompute}``;
+- ``{policy: auto, budget: 2GiB, ...}``: a plan chosen by the budget planner at the start of the
+  run (:class:`train.autoplan.AutoRequest`, :func:`train.autoplan.load_or_plan`).
+
+:func:`resolve` gives a ``Plan``, :data:`NO_REMAT`, an ``AutoRequest`` or None (the config names
+no plan: the model's default stands); :func:`model_options_with_plan` hands the plan to the model
+as its ``remat`` option (every model takes a ``Plan`` there, or refuses one naming itself);
+:func:`check_offload` warns (or refuses) when a plan offloads on a CPU backend.
+
+>>> from train.config import load_config
+>>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
+...                          "remat={save: [query_proj], offload: [mlp_hidden]}"])
+>>> plan = resolve(cfg)
+>>> str(plan)
+'save=query_proj;offload=mlp_hidden;default=recompute'
+>>> model_options_with_plan({"d_model": 64}, plan) == {"d_model": 64, "remat": plan}
+True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+
+import remat_nn as rn
+from train import autoplan
+from train.autoplan import AutoRequest
+from train.config import Config
+from train.errors import SetupError
+
+__all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "resolve"]
+
+#: No remat at all (plain autodiff): the preset ``none``, and what the budget planner passes for
+#: its no-remat candidate.
+NO_REMAT: Literal["none"] = "none"
+
+
+def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
+    """The plan ``cfg`` names, read once.
+
+    Args:
+      cfg: a validated config (a preset it names exists, a plan mapping is valid).
+
+    Returns:
+      The :class:`remat_nn.Plan`; :data:`NO_REMAT` for the preset ``none``; an
+      :class:`~train.autoplan.AutoRequest` for ``{policy: auto, ...}`` (plan it with
+      :func:`train.autoplan.load_or_plan`); None when the config names no plan (the model's
+      default plan stands).
+
+    >>> from train.config import load_config
+    >>> resolve(load_config(None, ["model.name=transformer", "data.source=corpus",
+    ...                            "remat=save_qkv_proj"])).save
+    ('query_proj', 'key_proj', 'value_proj')
+    >>> resolve(load_config(None, ["remat=null"])) is None
+    True
+    """
+    import models
+
+    remat: Any = cfg.remat
+    if remat is None:
+        options = cfg.model.options
+        remat = options.get("remat")
+        if remat == "custom" and options.get("custom_plan") is not None:
+            remat = options["custom_plan"]  # the transformer's own spelling of a per-name plan
+    if remat is None or isinstance(remat, rn.Plan):
+        return remat
+    if autoplan.is_auto(remat):
+        return AutoRequest.from_config(remat)
+    if isinstance(remat, Mapping):
+        return rn.plan(remat)
+    presets = models.get(cfg.model.name).remat_presets
+    if remat not in presets:
+        raise ValueError(
+            f"remat={remat!r}: model {cfg.model.name!r} has no such remat preset; its presets: "
+            f"{sorted(presets)}. Fix: load the config with train.config.load_config, which "
+            "checks it against the model."
+        )
+    plan = presets[remat]
+    return NO_REMAT if plan is None else plan
+
+
+def model_options_with_plan(
+    options: Mapping[str, Any], plan: rn.Plan | str | AutoRequest | None
+) -> dict[str, Any]:
+    """``options`` with ``plan`` as the model's ``remat`` option (``custom_plan`` dropped).
+
+    Args:
+      options: the model's options.
+      plan: what :func:`resolve` or the planner gives: a ``Plan`` or :data:`NO_REMAT` replace the
+        model's ``remat``; None or an ``AutoRequest`` leave the options as they are (the planner
+        plans on the model so built: its parameters do not depend on the plan).
+
+    >>> model_options_with_plan({"remat": "custom", "custom_plan": {"save": ["x"]}}, "none")
+    {'remat': 'none'}
+    """
+    opts = dict(options)
+    if plan is None or isinstance(plan, AutoRequest):
+        return opts
+    opts.pop("custom_plan", None)
+    opts["remat"] = plan
+    return opts
+
+
+def check_offload(plan: Any, mode: str, say: Callable[[str], None]) -> None:
+    """Warns once (or refuses) when ``plan`` offloads to host memory on a CPU backend.
+
+    Host offload lowers and runs on CPU but moves nothing there (XLA:CPU has one memory), so the
+    run would show no memory saving.
+
+    Args:
+      plan: the run's plan (anything but a ``Plan`` with ``offload`` names passes).
+      mode: ``train.offload_on_cpu``: ``warn`` (a RuntimeWarning and a log line) or ``error``.
+      say: where the log line goes.
+
+    Raises:
+      SetupError: ``mode == "error"`` and the plan offloads on CPU.
+    """
+    if not isinstance(plan, rn.Plan) or not plan.offload or jax.default_backend() != "cpu":
+        return
+    msg = (
+        f"remat plan offloads {list(plan.offload)} to {plan.offload_dst}, but the cpu backend "
+        "has a single memory: the program runs with the same gradients and nothing moves, so "
+        "expect no memory saving here (set train.offload_on_cpu=error to refuse)"
+    )
+    if mode == "error":
+        raise SetupError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    say(f"warning: {msg}")
