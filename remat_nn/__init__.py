@@ -1,7 +1,8 @@
 """remat_nn: decide, per activation, whether reverse-mode autodiff saves, offloads, recomputes or
 reconstructs it by inversion, and measure what each choice costs.
 
-This file is the table of contents: the whole public API, re-exported explicitly.
+This file is the table of contents: the whole public API, re-exported explicitly. The core
+(everything here) is pure JAX and imports no flax; ``remat_nn.nn`` holds the flax.linen modules.
 
 >>> import remat_nn as rn
 >>> from remat_nn import nn
@@ -17,7 +18,7 @@ from remat_nn.errors import NotInvertibleError, PlanError, PolicyError, RematNNE
 # --- policies and plans ---------------------------------------------------------------------------
 from remat_nn._plan import Plan, plan
 from remat_nn._policies import ALIASES, POLICIES, policy
-from remat_nn.nn._remat import checkpoint
+from remat_nn._checkpoint import checkpoint
 
 # --- memory inspection ----------------------------------------------------------------------------
 from remat_nn._memory import (

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from remat_nn import names
+from remat_nn._checkpoint import checkpoint
 from remat_nn.names import name
-from remat_nn.nn._remat import checkpoint
 
 
 def init(key: jax.Array, *, depth: int = 16, width: int = 256, hidden: int = 1024) -> dict:

@@ -46,6 +46,10 @@ from jax._src.interpreters import partial_eval as pe
 # Not in jax.extend.core.primitives (jnp.split / lax.optimization_barrier bind them).
 from jax._src.lax.lax import optimization_barrier_p, split_p
 
+# DeprecatedArg: the default of jax.checkpoint's removed `concrete` parameter; rn.checkpoint has
+# the same signature (and so the same sentinel). Not public.
+from jax._src.typing import DeprecatedArg
+
 # Public: jax.extend.core.primitives.
 custom_jvp_call_p = _public_prims.custom_jvp_call_p
 custom_vjp_call_p = _public_prims.custom_vjp_call_p
@@ -57,6 +61,7 @@ scan_p = _public_prims.scan_p
 __all__ = [
     "CheckpointName",
     "CustomVJPTraced",
+    "DeprecatedArg",
     "DotsSaveable",
     "RematTraced",
     "SaveAnyNamesButThese",

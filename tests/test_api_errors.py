@@ -156,8 +156,57 @@ def test_prevent_cse_must_be_a_bool(bad):
         nn.remat(Gated, concrete=bad)
 
 
+@pytest.mark.parametrize("bad", [(1, 0), ["True"], (True, None), {"x": True}, (True, "no")])
+def test_checkpoint_prevent_cse_sequence_holds_bools(bad):
+    # jax.checkpoint takes a sequence of bools (a pytree prefix of the dynamic arguments); a
+    # string, an int or None among them is a mistake caught here, not a silent truthiness.
+    msg = r"rn.checkpoint: argument `prevent_cse` .*or a sequence of them per dynamic argument.*Fix"
+    with pytest.raises(TypeError, match=msg):
+        rn.checkpoint(jnp.sin, prevent_cse=bad)
+    assert callable(rn.checkpoint(f, prevent_cse=[True, (False,)]))  # nested sequences: accepted
+
+
 def test_checkpoint_target_must_be_callable():
     with pytest.raises(
-        TypeError, match=r"rn.checkpoint: argument `fn` must be a callable, got int"
+        TypeError, match=r"rn.checkpoint: argument `fun` must be a callable, got int 3.*Fix"
     ):
         rn.checkpoint(3)
+
+
+def test_checkpoint_concrete_is_jaxs_error():
+    # jax.checkpoint still takes `concrete` (removed in JAX 0.10): passing it raises there.
+    for value in (True, False):
+        with pytest.raises(NotImplementedError, match="use `static_argnums`"):
+            jax.checkpoint(jnp.sin, concrete=value)
+        with pytest.raises(NotImplementedError, match="use `static_argnums`"):
+            rn.checkpoint(jnp.sin, concrete=value)
+
+
+# --- static_argnames ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [3, b"flag", ("flag", 1), {"flag": True}])
+def test_static_argnames_type(bad):
+    msg = r"rn.checkpoint: argument `static_argnames` must be a parameter name.*got.*Fix"
+    with pytest.raises(TypeError, match=msg):
+        rn.checkpoint(f, static_argnames=bad)
+
+
+def test_static_argnames_unknown_name_suggests_the_closest():
+    expected = r"names \['flga'\], which are not parameters of f.*\['x', 'flag'\].*'flag'"
+    with pytest.raises(ValueError, match=expected):
+        rn.checkpoint(f, static_argnames=("x", "flga"))
+
+    def takes_kwargs(x, **options):
+        return x * 2 if options["flag"] else x
+
+    # Any name may reach **kwargs: not checked, and static when passed.
+    assert jax.grad(rn.checkpoint(takes_kwargs, static_argnames="flag"))(1.0, flag=1) == 2.0
+
+
+def test_static_argnums_out_of_range_for_a_varargs_call():
+    def h(*args):
+        return args[0] * 2
+
+    with pytest.raises(ValueError, match=r"`static_argnums` \(2,\) is out of range for this call"):
+        rn.checkpoint(h, static_argnums=2)(1.0, 2)

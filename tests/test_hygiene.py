@@ -5,8 +5,11 @@ leaves are caught before a step, and the trainer's step never leaves a donated b
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import flax.linen as fnn
 import jax
@@ -102,11 +105,35 @@ def test_remat_nn_keeps_no_module_level_function_cache():
     import remat_nn._planner as planner
 
     cached = [
-        name for mod in (rn._plan, rn._policies, nn._remat, rn.names)
+        name for mod in (rn._checkpoint, rn._plan, rn._policies, nn._remat, rn.names)
         for name, obj in vars(mod).items() if hasattr(obj, "cache_info")
     ]  # fmt: skip
     assert cached == []
     assert planner._measured_rates.__wrapped__.__code__.co_argcount == 0
+
+
+# --- layers ---------------------------------------------------------------------------------------
+
+
+def test_core_imports_no_flax():
+    # The core (`import remat_nn`, rn.checkpoint included) is pure JAX; `remat_nn.nn` is where
+    # flax comes in. In a fresh interpreter: this process has imported flax already.
+    code = (
+        "import sys, remat_nn\n"
+        "loaded = lambda p: sorted(m for m in sys.modules if m == p or m.startswith(p + '.'))\n"
+        "assert not loaded('flax') and not loaded('remat_nn.nn'), (loaded('flax'), "
+        "loaded('remat_nn.nn'))\n"
+        "import remat_nn as rn, jax.numpy as jnp\n"
+        "rn.checkpoint(jnp.sin, policy='dots')(jnp.ones(2))\n"
+        "assert not loaded('flax'), loaded('flax')\n"
+        "from remat_nn import nn\n"
+        "assert loaded('flax') and nn.checkpoint is nn.remat\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # --- donation -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 >>> from remat_nn import nn
 """
 
-# --- remat transform ------------------------------------------------------------------------------
+# --- remat transform (nn.checkpoint is nn.remat, as in flax.linen) --------------------------------
 from remat_nn.nn._remat import checkpoint, remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
