@@ -76,11 +76,13 @@ def test_model_options_are_validated_by_the_models_schema():
     assert "does not fit model 'transformer'" in errs["data.source"]
 
 
-def test_remat_plan_is_folded_into_the_model_and_checked():
+def test_remat_plan_is_read_once_into_a_plan_and_checked():
+    import remat_nn as rn
+    from train import remat as remat_lib
+
     cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
                              "remat={save: [query_proj], offload: [mlp_hidden]}"])  # fmt: skip
-    assert cfg.model_options()["remat"] == "custom"
-    assert cfg.model_options()["custom_plan"] == {"save": ["query_proj"], "offload": ["mlp_hidden"]}
+    assert remat_lib.resolve(cfg) == rn.plan({"save": ["query_proj"], "offload": ["mlp_hidden"]})
     errs = errors_of(None, ["model.name=transformer", "data.source=corpus",
                             "remat={save: [query_proj], offload: [query_proj]}"])  # fmt: skip
     assert any(p.startswith("remat") or p.startswith("model.options") for p in errs)

@@ -30,7 +30,6 @@ import math
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from tqdm import tqdm
 import models
 from train import autoplan, faults, integrity, multihost
 from train import data as data_lib
+from train import remat as remat_lib
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
@@ -296,7 +296,10 @@ def build_experiment(
     spec = models.get(cfg.model.name)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)
-    model = models.build(cfg.model.name, **options)
+    # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
+    # (the model's default plan).
+    plan = remat_lib.resolve(cfg)
+    model = models.build(cfg.model.name, **remat_lib.model_options_with_plan(options, plan))
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
@@ -322,16 +325,18 @@ def build_experiment(
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
     )
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
-    if autoplan.is_auto(cfg.remat):
+    if isinstance(plan, autoplan.AutoRequest):
         # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
         # plan in the run directory so a resumed run compiles the same step.
         plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
         if restart and is_main and not dry_run:
             plan_file.unlink(missing_ok=True)
-        the_plan = autoplan.load_or_plan(
-            cfg.remat,
+        plan = autoplan.load_or_plan(
+            plan,
             run_dir=plan_file.parent,
-            build=lambda p: models.build(cfg.model.name, **_with_plan(options, p)),
+            build=lambda p: models.build(
+                cfg.model.name, **remat_lib.model_options_with_plan(options, p)
+            ),
             abstract_state=unsharded,
             batch={
                 k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
@@ -342,9 +347,10 @@ def build_experiment(
             say=say,
             write=is_main and not dry_run,
         )
-        options = _with_plan(options, the_plan)
-        model = models.build(cfg.model.name, **options)  # same parameters, the chosen plan
-    _check_offload(options, cfg.train.offload_on_cpu, say)
+        # Same parameters, the chosen plan.
+        model = models.build(cfg.model.name, **remat_lib.model_options_with_plan(options, plan))
+    options = remat_lib.model_options_with_plan(options, plan)
+    remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
         model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
@@ -386,7 +392,7 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
     # Options the data decides (classes, vocabulary, image size and channels) are filled in when
     # the model has them and the config does not set them; a set value must agree with the data.
     # The compute dtype is one knob: train.compute_dtype sets the model's `dtype` option.
-    opts = cfg.model_options()
+    opts = dict(cfg.model.options)  # the remat plan is handed over by train.remat
     fields = spec.options.model_fields
     from_data: dict[str, int | None] = {"num_classes": dataset.num_classes,
                                         "vocab_size": dataset.vocab_size}  # fmt: skip
@@ -413,34 +419,6 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
                 "dtype (master weights stay float32)."
             )
     return opts
-
-
-def _check_offload(options: dict[str, Any], mode: str, say: Callable[[str], None]) -> None:
-    # Host offload lowers and runs on CPU but moves nothing there (XLA:CPU has one memory).
-    remat = options.get("remat")
-    if not isinstance(remat, str) or jax.default_backend() != "cpu":
-        return
-    from models.transformer import remat_plan
-
-    plan = remat_plan(remat, options.get("custom_plan"))
-    if plan is None or not plan.offload:
-        return
-    msg = (
-        f"remat plan offloads {list(plan.offload)} to {plan.offload_dst}, but the cpu backend "
-        "has a single memory: the program runs with the same gradients and nothing moves, so "
-        "expect no memory saving here (set train.offload_on_cpu=error to refuse)"
-    )
-    if mode == "error":
-        raise SetupError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
-    warnings.warn(msg, RuntimeWarning, stacklevel=2)
-    say(f"warning: {msg}")
-
-
-def _with_plan(options: dict[str, Any], plan: Any) -> dict[str, Any]:
-    # A planner candidate (an rn.Plan, or "none" for no remat) as the model's remat options.
-    if isinstance(plan, str):
-        return {**options, "remat": plan, "custom_plan": None}
-    return {**options, "remat": "custom", "custom_plan": plan.to_dict()}
 
 
 def _global_batch_size(cfg: Config, num_devices: int) -> int:

@@ -267,18 +267,3 @@ class Config(_Section):
     @property
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
-
-    def model_options(self) -> dict[str, Any]:
-        """The model options with the top-level ``remat`` folded in the legacy way.
-
-        ``remat: <preset>`` becomes ``options.remat``; a per-name mapping becomes
-        ``remat="custom"`` and ``custom_plan``. Kept for train/loop.py until it calls
-        :mod:`train.remat` (which hands the model a ``remat_nn.Plan`` instead); then delete.
-        """
-        opts = dict(self.model.options)
-        if isinstance(self.remat, str):
-            opts["remat"] = self.remat
-        elif isinstance(self.remat, dict) and self.remat.get("policy") != "auto":
-            opts["remat"] = "custom"
-            opts["custom_plan"] = dict(self.remat)
-        return opts
