@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-config-change",
         action="store_true",
         help="resume even though config keys that change the computation differ from the run "
-        "directory's config.yaml (logging, eval and checkpoint cadence may always change)",
+        "directory's config.yaml (keys tagged [resume-safe] below may always change)",
     )
     p.add_argument(
         "--allow-dtype-cast",
