@@ -1,19 +1,43 @@
 """Strict test settings shared by the whole suite (STYLE.md habit 11).
 
-- 8 fake CPU devices, so sharding and donation paths run on a laptop or CI.
+- The CPU platform with 8 fake devices, so sharding and donation paths run on a laptop or CI and
+  a machine with an accelerator runs the same tests (``JAX_PLATFORMS=cpu`` reaches the
+  subprocesses tests start, too).
 - ``jax_numpy_rank_promotion="raise"``: implicit rank promotion is a bug in this code base.
 - Warnings are errors (pyproject.toml); each ignore there carries its reason.
+- JAX's persistent compilation cache in a temporary directory: an in-process run
+  (``train.loop.run``) never writes one into the repository or the user's cache.
 - ``jax_upgrade_flags``: runs a test twice, as JAX is today and with the upgrade flags that
   become its defaults (``jax_remat3``, ``jax_custom_vjp3``).
 """
 
+import os
+
 import jax
 import pytest
 
+# Before any backend is initialised (importing jax initialises none).
+os.environ["JAX_PLATFORMS"] = "cpu"
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_in_tmp(tmp_path_factory):
+    """Points JAX's compilation cache at a temporary directory for the whole session.
+
+    The trainer sets ``jax_compilation_cache_dir`` from ``train.compile_cache`` only when it is
+    unset, so with this set no test run writes a cache where the config says (by default the
+    user's cache directory). Set before the first compile: JAX decides once per process whether
+    it uses the cache.
+    """
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
 
 
 @pytest.fixture(params=["default", "remat3+custom_vjp3"])

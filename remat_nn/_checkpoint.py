@@ -93,8 +93,9 @@ def check_static_argnums(
     ``module``: counted with ``self`` as 0 as in flax, where negative indices are not supported.
     """
     seq = isinstance(static_argnums, Sequence) and not isinstance(static_argnums, str | bytes)
-    nums = tuple(static_argnums) if seq else (static_argnums,)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+    given = tuple(static_argnums) if seq else (static_argnums,)
+    nums = tuple(i for i in given if isinstance(i, int) and not isinstance(i, bool))
+    if len(nums) != len(given):
         raise TypeError(
             f"{where}: argument `static_argnums` must be an int or a tuple of ints (positions of "
             f"positional arguments), got {type(static_argnums).__name__} {static_argnums!r}. "

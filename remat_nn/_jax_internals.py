@@ -90,7 +90,8 @@ __all__ = [
 
 def remat3_on() -> bool:
     """Whether ``jax.checkpoint`` stages JAX's new remat (the ``jax_remat3`` upgrade flag)."""
-    return bool(jax.config.jax_remat3)
+    # Config options are attributes jax.config sets at run time; its type declares none.
+    return bool(jax.config.jax_remat3)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def remat3_honours(policy: Any) -> bool:

@@ -343,6 +343,11 @@ def compiled_memory(
     """
     compiled = jax.jit(fn, **dict(jit_kwargs or {})).lower(*args, **kwargs).compile()
     m = compiled.memory_analysis()
+    if m is None:
+        raise NotImplementedError(
+            f"compiled_memory: XLA's {jax.default_backend()} backend gives no memory analysis "
+            "of a compiled program. Fix: measure on a cpu, gpu or tpu backend."
+        )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     return CompiledMemory(

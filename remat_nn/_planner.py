@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_nn._flops import jaxpr_flops
+from remat_nn._jax_internals import core
 from remat_nn._memory import format_bytes, memory_report
 from remat_nn._plan import Plan, names_in_jaxpr
 from remat_nn.errors import PlanError
@@ -252,9 +253,11 @@ def solve(
             options.append((c.name, opts))
         else:
             groups.append((-r, options))
-    fronts = [_sweep(options, base, max_states) for base, options in groups]
-    exact = all(f is not None for f in fronts)
-    if not exact:
+    swept = [_sweep(options, base, max_states) for base, options in groups]
+    exact = all(f is not None for f in swept)
+    if exact:
+        fronts = [f for f in swept if f is not None]
+    else:
         fronts = [_greedy(options, base) for base, options in groups]
     front = _pareto([p for f in fronts for p in f])
     feasible = [p for p in front if p.nbytes <= capacity]
@@ -384,7 +387,7 @@ def _temp(compiled: Any) -> int:
 
 def _is_concrete(args: Sequence[Any]) -> bool:
     leaves = jax.tree.leaves(args)
-    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
+    return all(isinstance(x, jax.Array) and not isinstance(x, core.Tracer) for x in leaves)
 
 
 def _time(
@@ -524,8 +527,10 @@ def plan_for_budget(
         )
 
     def plan_of(actions: dict[str, str]) -> Plan:
-        return Plan(**{a: tuple(n for n in found if actions.get(n, "recompute") == a)
-                       for a in _ACTIONS})  # fmt: skip
+        def names(action: str) -> tuple[str, ...]:
+            return tuple(n for n in found if actions.get(n, "recompute") == action)
+
+        return Plan(save=names("save"), offload=names("offload"), recompute=names("recompute"))
 
     compiled: dict[Plan, Any] = {}
 
@@ -558,11 +563,17 @@ def plan_for_budget(
         )
 
     # --- cost model ---
-    given = (flops_per_second, memory_bandwidth)
-    rates = given if None not in given else _measured_rates()
-    flops_rate, mem_rate = (g or r for g, r in zip(given, rates, strict=True))
-    say(f"  recompute at {flops_rate / 1e9:.3g} GFLOP/s, saved bytes at {mem_rate / 1e9:.3g} GB/s"
-        f" ({'given' if None not in given else 'measured'})")  # fmt: skip
+    if flops_per_second is None or memory_bandwidth is None:  # measure what is not given
+        measured_flops, measured_bandwidth = _measured_rates()
+        flops_rate = flops_per_second or measured_flops
+        mem_rate = memory_bandwidth or measured_bandwidth
+        source = "measured"
+    else:
+        flops_rate, mem_rate, source = flops_per_second, memory_bandwidth, "given"
+    say(
+        f"  recompute at {flops_rate / 1e9:.3g} GFLOP/s, saved bytes at {mem_rate / 1e9:.3g} GB/s"
+        f" ({source})"
+    )
     base_flops = _grad_flops(fn, args, save_all)
     costs = []
     for n in found:
@@ -596,7 +607,9 @@ def plan_for_budget(
     capacity = budget_bytes - floor
     best, front, exact = solve(costs, capacity)
     for _ in range(max_attempts):
-        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes if best else 0
+        if best is None:
+            break
+        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes
         if overshoot <= 0:
             break
         capacity = min(best.nbytes - 1, capacity - overshoot - 1)
@@ -625,7 +638,7 @@ def plan_for_budget(
         say(f"  timing the {min(shortlist, len(fits))} fastest-modeled plans that fit")
         t0 = time.perf_counter()
         timed, ran = _time({p: compiled[p] for p in fits[:shortlist]}, args, rounds=rounds)
-        fits = sorted(timed, key=timed.get)
+        fits = sorted(timed, key=timed.__getitem__)
         say(f"  timed in {ran} rounds ({time.perf_counter() - t0:.0f} s): "
             + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits))  # fmt: skip
     chosen = fits[0]

@@ -210,13 +210,14 @@ def _depth(params: PyTree, consts: PyTree) -> int:
             "Fix: pass per-layer parameters stacked on a leading axis of length depth."
         )
     depths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
-    if len(depths) != 1 or None in depths:
+    (depth,) = depths if len(depths) == 1 else (None,)
+    if depth is None:
         raise ValueError(
             "reversible_scan: every leaf of `params` and `consts` must carry the layer axis first "
             f"with one common length, got leading sizes {sorted(map(str, depths))}. Fix: stack "
             "per-layer values with jnp.stack / jax.vmap(init)."
         )
-    return depths.pop()
+    return depth
 
 
 def _cast(tree: PyTree, dtypes: PyTree) -> PyTree:
@@ -246,7 +247,8 @@ def _unsegment(tree: PyTree) -> PyTree:
 
 def _forward_layers(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree):
     def step(carry, layer):
-        y, new_consts = block.forward(*layer, carry)
+        p, c = layer
+        y, new_consts = block.forward(p, c, carry)
         return y, new_consts
 
     return jax.lax.scan(step, x, (params, consts))
@@ -294,7 +296,8 @@ def _make_reversible(block: ReversibleBlock, num_segments: int) -> Callable:
             return y, new_consts, None
 
         def segment(carry, seg):
-            y, new_consts = _forward_layers(block, *seg, carry)
+            seg_params, seg_consts = seg
+            y, new_consts = _forward_layers(block, seg_params, seg_consts, carry)
             return y, (new_consts, y)
 
         segs = (_segments(params, num_segments), _segments(consts, num_segments))
@@ -446,7 +449,8 @@ def inverse_scan(
     stream = _cast(y, _stream_dtypes(y, recon_dtype))
 
     def step(carry, layer):
-        return block.inverse(*layer, carry), None
+        p, c = layer
+        return block.inverse(p, c, carry), None
 
     x, _ = jax.lax.scan(step, stream, (params, consts), reverse=True)
     return _cast(x, dtypes)

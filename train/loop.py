@@ -290,9 +290,8 @@ def build_experiment(
     """Loads the data, builds the model and optimizer, and compiles the donated train step."""
     is_main = jax.process_index() == 0
     if cfg.train.compile_cache and not jax.config.jax_compilation_cache_dir:
-        jax.config.update(
-            "jax_compilation_cache_dir", str(Path(cfg.train.compile_cache).absolute())
-        )
+        cache_dir = Path(cfg.train.compile_cache).expanduser().absolute()
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     spec = models.get(cfg.model.name)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)

@@ -115,22 +115,23 @@ class Analysis:
         rule = self.rules[i]
         if rule is None or len(outs) != len(eqn.outvars):  # no rule, or a dropped output
             return []
-        unknown = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and a not in known)
+        holes = {p: a for p, a in enumerate(eqn.invars) if is_var(a) and a not in known}
+        unknown = tuple(holes)
         if not unknown:
             return []
-        verdict = self._verdict(i, unknown)
+        verdict = self._verdict(i, rule, unknown)
         if verdict.reason is not None:
             return []
         if verdict.lossy is not None and not lossy_now:
             self.deferred.add(i)
             return []
-        values = [eqn.invars[p] for p in unknown]
+        values = list(holes.values())
         d = Derivation("inverse", i, unknown, verdict)
         known.update((v, d) for v in values)
         return values
 
-    def _verdict(self, i: int, unknown: tuple[int, ...]) -> Assessment:
-        """The rule's verdict on rebuilding ``unknown`` of equation ``i`` (cached)."""
+    def _verdict(self, i: int, rule: EquationRule, unknown: tuple[int, ...]) -> Assessment:
+        """``rule``'s verdict on rebuilding ``unknown`` of equation ``i`` (cached)."""
         key = (i, unknown)
         if key not in self.verdicts:
             eqn = self.eqns[i]
@@ -141,7 +142,7 @@ class Analysis:
                     "output does not determine it"
                 )
             else:
-                verdict = self.rules[i].assess(self, eqn, unknown)
+                verdict = rule.assess(self, eqn, unknown)
             if verdict.reason is None and verdict.lossy is not None and not self.lossy_ok:
                 verdict = dataclasses.replace(
                     verdict, reason=f"its inverse is not exact for every value ({verdict.lossy})"
@@ -225,7 +226,7 @@ class Analysis:
             (
                 d.assessment.lossy
                 for d in known.values()
-                if d.kind == "inverse" and d.assessment.lossy is not None
+                if d.assessment is not None and d.assessment.lossy is not None  # inversions
             ),
             None,
         )

@@ -39,7 +39,7 @@ class Traced:
     dyn_index: list[int]  # positions of the traced leaves among the flat arguments
     out_tree: Any
     analysis: Analysis
-    run: Callable | None = None  # the custom_vjp over (consts, traced leaves)
+    run: Callable  # the custom_vjp over (consts, traced leaves)
 
 
 def _arg_name(path: tuple, positions: Sequence[int] | None) -> str:
@@ -88,7 +88,8 @@ def _trace(
     analysis = analyze(jaxpr, lossy_ok=lossy_ok, num_constants=len(closed.consts))
     if analysis.failure is not None:  # not expected: every input may be kept
         raise NotInvertibleError(f"rn.invertible: {analysis.failure}")
-    return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis)
+    run = _as_custom_vjp(analysis)
+    return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
 
 def _as_custom_vjp(analysis: Analysis) -> Callable:
@@ -111,10 +112,13 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
         _, in_cts, code = execute(analysis, invals, outs, list(cts), want_inputs=False)
+        assert in_cts is not None  # execute returns the input cotangents when given cotangents
         stop_on_failed_check(code)
         return tuple(c if f else None for c, f in zip(in_cts, float_in, strict=True))
 
-    bwd.invertible_block = getattr(jaxpr.debug_info, "func_name", "?")  # seen by the report
+    # Seen by the report. (A function's type declares no attributes: this one is set here.)
+    block = getattr(jaxpr.debug_info, "func_name", "?")
+    bwd.invertible_block = block  # pyright: ignore[reportFunctionMemberAccess]
     run.defvjp(fwd, bwd)
     return run
 
@@ -196,7 +200,6 @@ class Invertible:
         traced = _trace(
             fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error", positions=positions
         )
-        traced.run = _as_custom_vjp(traced.analysis)
         # Like jax.jit, closed-over arrays are captured at the first trace; a trace that closed
         # over another transformation's tracers is not reused.
         if key is not None and not any(isinstance(c, core.Tracer) for c in traced.consts):

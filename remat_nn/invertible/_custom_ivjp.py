@@ -19,8 +19,16 @@ class _IVJPBwd:
 
     is_custom_ivjp = True  # how _equation_rules.ivjp_bwd recognises it
 
-    def __init__(self, owner: custom_ivjp, in_tree: Any, known_mask: list[bool], store: dict):
-        self.owner, self.in_tree, self.known_mask, self.store = owner, in_tree, known_mask, store
+    def __init__(
+        self,
+        owner: custom_ivjp,
+        rule: Callable,
+        in_tree: Any,
+        known_mask: list[bool],
+        store: dict,
+    ):
+        self.owner, self.rule, self.in_tree = owner, rule, in_tree
+        self.known_mask, self.store = known_mask, store
 
     def apply(self, xs: list[Any], ys: list[Any], dys: list[Any] | None):
         """Calls the user rule on flat values; ``None`` marks inputs to reconstruct."""
@@ -28,8 +36,8 @@ class _IVJPBwd:
         out_tree = self.store["out_tree"]
         x_tree = unflat(self.in_tree, xs)
         dy_tree = None if dys is None else unflat(out_tree, dys)
-        result = self.owner.ivjp(x_tree, unflat(out_tree, ys), dy_tree)
-        name = getattr(self.owner.ivjp, "__name__", "ivjp")
+        result = self.rule(x_tree, unflat(out_tree, ys), dy_tree)
+        name = getattr(self.rule, "__name__", "ivjp")
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 f"rn.custom_ivjp: the rule {name} must return a pair (xs, dxs), got "
@@ -150,8 +158,8 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
         return worst
 
     def __call__(self, *args: Any) -> Any:
-        name = getattr(self.fun, "__name__", "fun")
-        if self.ivjp is None:
+        name, rule = getattr(self.fun, "__name__", "fun"), self.ivjp
+        if rule is None:
             raise TypeError(
                 f"rn.custom_ivjp({name}): no rule defined. Fix: g.defivjp(ivjp) with "
                 "ivjp(xs, ys, dys) -> (xs, dxs) before calling g."
@@ -178,6 +186,6 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
             return ys, (ys, [x for x, k in zip(xs, known_mask, strict=True) if k])
 
         run = jax.custom_vjp(flat_fun)
-        run.defvjp(fwd, _IVJPBwd(self, in_tree, known_mask, store))
+        run.defvjp(fwd, _IVJPBwd(self, rule, in_tree, known_mask, store))
         outs = run(*leaves)
         return jax.tree_util.tree_unflatten(store["out_tree"], outs)

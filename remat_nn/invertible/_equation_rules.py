@@ -123,9 +123,9 @@ class SimpleRule:
                     f"rn.invertible: the inverse rule of `{eqn.primitive.name}` reconstructed "
                     f"operand {p} as {aval_str(got)}, expected {aval_str(aval)}."
                 )
-        ok = None
-        if assessment.lossy is not None:
-            ok = self.rule.guard.ok(invals, list(outs), new, holes, **eqn.params)
+        ok, guard = None, self.rule.guard
+        if assessment.lossy is not None and guard is not None:  # lossy: the guard said why
+            ok = guard.ok(invals, list(outs), new, holes, **eqn.params)
         return [new[p] if x is None else x for p, x in enumerate(ins)], None, ok
 
 
@@ -240,7 +240,7 @@ class ScanRule:
                 r if not k else None
                 for r, k in zip(rebuilt[num_consts + num_carry :], xs_known, strict=True)
             ]
-            if ct_c is None:
+            if inner_cts is None:  # no cotangents wanted (ct_c is None)
                 return (new_carry, None, None, code), (x_rec, None)
             inner_cts = inner_cts[num_body_consts:]
             carry_cts = inner_cts[num_consts : num_consts + num_carry]
@@ -264,6 +264,7 @@ class ScanRule:
         rebuilt = consts + list(carry0) + new_xs
         if not want_cts:
             return rebuilt, None, code
+        assert ct_k is not None and ct_c0 is not None and ct_x is not None  # wanted: carried
         return rebuilt, list(ct_k) + list(ct_c0) + list(ct_x), code
 
 
@@ -356,13 +357,12 @@ def rule_for(eqn: core.JaxprEqn) -> EquationRule | None:
     if ivjp_bwd(eqn) is not None:
         return _IVJP
     kind = hi_kind(eqn)
-    if kind == "name":  # checkpoint_name under jax_remat3: the registry's rule for name_p
-        return SimpleRule(_primitive_rules.lookup(prims.name_p))
-    if kind is not None:
+    if kind is not None and kind != "name":
         return _HI[kind]
     if eqn.primitive in _CALLS:
         return _CALLS[eqn.primitive]
     if eqn.primitive is scan_p:
         return _SCAN
-    rule = _primitive_rules.lookup(eqn.primitive)
+    # checkpoint_name under jax_remat3 is a hi primitive: the registry's rule for name_p.
+    rule = _primitive_rules.lookup(prims.name_p if kind == "name" else eqn.primitive)
     return None if rule is None else SimpleRule(rule)

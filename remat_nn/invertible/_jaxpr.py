@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +23,14 @@ from remat_nn._jax_internals import (
 source_info_util.register_exclusion(os.path.dirname(__file__) + os.sep)
 
 
-def is_var(a: Any) -> bool:
+def is_var(a: Any) -> TypeGuard[core.Var]:
     """A real variable (not a literal, not a dropped output)."""
     return isinstance(a, core.Var) and not isinstance(a, core.DropVar)
 
 
 def is_float(aval: Any) -> bool:
     """Whether values of ``aval`` carry cotangents (typed PRNG keys and ints do not)."""
-    return jax.dtypes.issubdtype(aval.dtype, jnp.inexact)
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def where(eqn: core.JaxprEqn) -> str:
@@ -102,7 +102,9 @@ def dce(jaxpr: core.Jaxpr, used_outputs: Sequence[bool]) -> core.Jaxpr:
         if not any(used) and not eqn.effects:
             continue
         if eqn.primitive is scan_p and not all(used) and not eqn.effects:
-            _, eqn = pe.dce_rules[scan_p](used, eqn)
+            _, pruned = pe.dce_rules[scan_p](used, eqn)
+            assert pruned is not None  # some output is used, so the rule keeps the equation
+            eqn = pruned
         live.update(a for a in eqn.invars if is_var(a))
         kept.append(eqn)
     return jaxpr.replace(eqns=kept[::-1])
@@ -166,7 +168,7 @@ def eqn_vjp(
             hash(key)
         except TypeError:  # unhashable params: trace this one directly
             key = None
-    if key is None:
+    if cache is None or key is None:
         res = vjp(ins, cts)
     else:
         if key not in cache:

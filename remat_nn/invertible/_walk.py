@@ -84,10 +84,10 @@ def build_schedule(analysis: Analysis, want_cts: bool, want_inputs: bool) -> Wal
             steps.append(Step("forward", d.eqn))
             avail.update(v for v in eqn.outvars if is_var(v))
             return
-        lossy = d.assessment.lossy
+        lossy = d.assessment.lossy if d.assessment is not None else None
         check = _register_check(eqn, lossy) if lossy is not None else 0
         steps.append(Step(action, d.eqn, d, check))
-        avail.update(eqn.invars[p] for p in d.unknown)
+        avail.update(a for p, a in enumerate(eqn.invars) if p in d.unknown and is_var(a))
 
     def ensure(v) -> None:
         stack = [v]

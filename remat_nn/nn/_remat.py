@@ -27,7 +27,9 @@ __all__ = ["checkpoint", "remat"]
 Target = TypeVar("Target")
 
 
-def _checked_module_class(target: type[fnn.Module], the_plan: Plan, methods: Any) -> type:
+def _checked_module_class(
+    target: type[fnn.Module], the_plan: Plan, methods: Any
+) -> type[fnn.Module]:
     # A same-named subclass whose lifted methods check the plan inside the remat body; the
     # parameter tree is unchanged (the class name, and so auto-names, stay the same).
     names = ["__call__"] if methods is None else list(methods)
@@ -88,8 +90,16 @@ def remat(
     check_bool(concrete, "concrete", "nn.remat")
     resolved = for_remat3(policy, resolve_policy(policy), "nn.remat")
     # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
-    flax_kwargs = dict(variables=variables, rngs=rngs, concrete=concrete, prevent_cse=prevent_cse,
-                       static_argnums=static_argnums, policy=resolved, methods=methods)  # fmt: skip
+    to_flax = functools.partial(
+        flax_remat,
+        variables=variables,
+        rngs=rngs,
+        concrete=concrete,
+        prevent_cse=prevent_cse,
+        static_argnums=static_argnums,
+        policy=resolved,
+        methods=methods,
+    )
     the_plan = as_plan(policy)
     if isinstance(target, type) and issubclass(target, fnn.Module):
         lifted = ["__call__"] if methods is None else list(methods)
@@ -99,9 +109,12 @@ def remat(
             {f"{target.__name__}.{m}": getattr(target, m) for m in lifted if hasattr(target, m)},
             module=True,
         )
+        module_cls: type[fnn.Module] = target
         if the_plan is not None and the_plan.names:
-            target = _checked_module_class(target, the_plan, methods)
-        return flax_remat(target, **flax_kwargs)
+            module_cls = _checked_module_class(target, the_plan, methods)
+        # flax returns a subclass of the class it is given, built at run time: the type system
+        # cannot say it is a Target (flax's own signature claims as much).
+        return to_flax(module_cls)  # pyright: ignore[reportReturnType]
     if not callable(target) or isinstance(target, fnn.Module):
         # flax's own error (a Module instance is the usual mistake: pass the class instead).
         raise flax_errors.TransformTargetError(target)
@@ -111,7 +124,7 @@ def remat(
     )
     if the_plan is not None and the_plan.names:
         fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
-    as_method = flax_remat(fn, **flax_kwargs)
+    as_method = to_flax(fn)
     as_function = rn_checkpoint(
         fn, policy=resolved, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
@@ -123,7 +136,7 @@ def remat(
             return as_method(*args, **kwargs)
         return as_function(*args, **kwargs)
 
-    return dispatch  # type: ignore[return-value]
+    return dispatch  # pyright: ignore[reportReturnType]  (a function that acts as Target)
 
 
 #: ``flax.linen.checkpoint`` is ``flax.linen.remat``; so in remat_nn.nn. (The pure-JAX

@@ -186,9 +186,10 @@ class Train(_Section):
     )
     plot: bool = safe_field(True, description="write plot.png of the curves at the end")
     compile_cache: str | None = safe_field(
-        "runs/.jax_compile_cache",
+        "~/.cache/remat_nn/jax",
         description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
-        "XLA compilation (null: off)",
+        "XLA compilation; ~ is the user's home, a relative path the working directory's "
+        "(null: off)",
     )
 
 
