@@ -11,6 +11,7 @@ import pytest
 
 import remat_nn as rn
 from remat_nn import nn
+from remat_nn._plan import names_in_jaxpr
 
 X = jnp.ones((2, 3))
 
@@ -41,8 +42,15 @@ def test_name_rejects_bad_names(label):
 
 
 def test_name_accepts_arrays_and_pytrees():
-    tree = {"a": jnp.ones(2), "b": np.zeros(1)}
-    assert rn.name(tree, "h") is not None
+    # The identity on values, and every leaf tagged (one name per leaf in the jaxpr).
+    tree = {"a": jnp.arange(2.0), "b": np.full(1, 3, np.int32)}
+    out = rn.name(tree, "h")
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    jaxpr = jax.make_jaxpr(lambda t: rn.name(t, "h"))(tree).jaxpr
+    assert list(names_in_jaxpr(jaxpr)) == ["h", "h"]
 
 
 # --- policies -----------------------------------------------------------------------------------
@@ -163,7 +171,9 @@ def test_checkpoint_prevent_cse_sequence_holds_bools(bad):
     msg = r"rn.checkpoint: argument `prevent_cse` .*or a sequence of them per dynamic argument.*Fix"
     with pytest.raises(TypeError, match=msg):
         rn.checkpoint(jnp.sin, prevent_cse=bad)
-    assert callable(rn.checkpoint(f, prevent_cse=[True, (False,)]))  # nested sequences: accepted
+    # Nested sequences (a prefix of the arguments' pytree) are accepted and still compute.
+    nested = rn.checkpoint(lambda x, ys: x * ys[0], prevent_cse=[True, (False,)])
+    assert jax.grad(nested)(2.0, (3.0,)) == 3.0
 
 
 def test_checkpoint_target_must_be_callable():

@@ -130,9 +130,34 @@ def test_rng_handling_matches_flax_and_dropout_mask_is_recomputed():
     g_ours = jax.tree.leaves(jax.grad(loss(ours))(v["params"]))
     for a, b in zip(g_ours, jax.tree.leaves(g_plain), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    # Random bits are recomputed from the key, never saved as residuals.
-    report = rn.memory_report(loss(ours), v["params"])
-    assert all(r.dtype not in ("uint32", "bool") for r in report.residuals), str(report)
+
+
+def _dropout_masks(report) -> list[tuple[int, ...]]:
+    # A dropout mask is the bool `lt` of the random bits against the keep rate.
+    return sorted(r.shape for r in report.residuals if r.dtype == "bool")
+
+
+def test_dropout_mask_is_recomputed_under_a_policy_that_saves_the_matmuls():
+    # Under `dots` the backward keeps the matmul outputs, so something is saved: the mask next
+    # to them must still be recomputed from the key (bit-identical, or the gradient would
+    # differ from plain autodiff's), never stored.
+    plain = MLP(rate=0.5, train=True)
+    v = plain.init(jax.random.key(0), X)
+    rngs = {"dropout": jax.random.key(7)}
+
+    def loss(m):
+        return lambda p: m.apply({"params": p}, X, rngs=rngs).sum()
+
+    dots = loss(nn.remat(MLP, policy="dots")(rate=0.5, train=True))
+    report = rn.memory_report(dots, v["params"])
+    outputs = sorted(r.shape for r in report.residuals if r.kind == "output")
+    assert outputs == [(3, 4), (3, 8)]  # the two Dense matmuls (B, F), and nothing else
+    assert {r.primitive for r in report.residuals if r.kind == "output"} == {"dot_general"}
+    assert _dropout_masks(report) == [], str(report)
+    assert rel_err(jax.grad(dots)(v["params"]), jax.grad(loss(plain))(v["params"])) < 1e-6
+    # The check can see a saved mask: saving everything keeps both layers' masks.
+    every = loss(nn.remat(MLP, policy="everything_saveable")(rate=0.5, train=True))
+    assert _dropout_masks(rn.memory_report(every, v["params"])) == [(3, 4), (3, 8)]
 
 
 def test_variables_filter_as_in_flax():
