@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import random
 import re
 import statistics
 import time
@@ -47,6 +46,7 @@ from remat_nn._flops import jaxpr_flops
 from remat_nn._jax_internals import core
 from remat_nn._memory import format_bytes, memory_report
 from remat_nn._plan import Plan, names_in_jaxpr
+from remat_nn._timing import timing_rounds
 from remat_nn.errors import PlanError
 
 __all__ = [
@@ -59,9 +59,19 @@ __all__ = [
     "solve",
 ]
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6,
-          "GB": 10**9}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
 _ACTIONS = ("save", "offload", "recompute")
+# Per name, its options as NameCost.options() gives them: (action, device bytes, seconds).
+_Options = list[tuple[str, list[tuple[str, int, float]]]]
 
 
 def parse_budget(spec: str | int | float, *, reference_bytes: int | None = None) -> int:
@@ -179,19 +189,22 @@ def _pareto(points: list[Candidate]) -> list[Candidate]:
     return front
 
 
-def _sweep(options: list[tuple[str, list[tuple[str, int, float]]]], base: int,
-           max_states: int) -> list[Candidate] | None:  # fmt: skip
+def _sweep(options: _Options, base: int, max_states: int) -> list[Candidate] | None:
     # Exact Pareto sweep over each name's options; None when the front outgrows max_states.
     front = [Candidate(base, 0.0, ())]
     for name, opts in options:
-        front = _pareto([Candidate(p.nbytes + b, p.seconds + t, (*p.actions, (name, a)))
-                         for p in front for a, b, t in opts])  # fmt: skip
+        extended = [
+            Candidate(p.nbytes + b, p.seconds + t, (*p.actions, (name, a)))
+            for p in front
+            for a, b, t in opts
+        ]
+        front = _pareto(extended)
         if len(front) > max_states:
             return None
     return front
 
 
-def _greedy(options: list[tuple[str, list[tuple[str, int, float]]]], base: int) -> list[Candidate]:
+def _greedy(options: _Options, base: int) -> list[Candidate]:
     # From each name's lightest option, move names to their fastest option in order of time
     # saved per byte added (moves that save time without adding bytes first).
     choice = {n: min(opts, key=lambda o: (o[1], o[2])) for n, opts in options}
@@ -203,9 +216,11 @@ def _greedy(options: list[tuple[str, list[tuple[str, int, float]]]], base: int) 
             moves.append((-gain / extra if extra > 0 else -float("inf"), n, fast))
 
     def point() -> Candidate:
-        return Candidate(base + sum(o[1] for o in choice.values()),
-                         sum(o[2] for o in choice.values()),
-                         tuple((n, choice[n][0]) for n, _ in options))  # fmt: skip
+        return Candidate(
+            base + sum(o[1] for o in choice.values()),
+            sum(o[2] for o in choice.values()),
+            tuple((n, choice[n][0]) for n, _ in options),
+        )
 
     points = [point()]
     for _, n, fast in sorted(moves):
@@ -242,7 +257,7 @@ def solve(
       ``(best, front, exact)``: the cheapest feasible candidate (None if none fits), the Pareto
       front of bytes against time over every candidate considered, and whether it is exact.
     """
-    groups: list[tuple[int, list[tuple[str, list]]]] = []
+    groups: list[tuple[int, _Options]] = []
     for top in (None, *costs):
         r = 0 if top is None else max(top.reduction, 0)
         options = []
@@ -359,8 +374,10 @@ class PlanReport:
         for t in self.tried:
             mark = "*" if t.plan == self.plan else " "
             secs = "" if t.measured_ratio is None else f"  {t.measured_ratio:.3f}x"
-            lines.append(f" {mark}{format_bytes(t.temp_bytes):>12}  {t.model_seconds:.3g} s"
-                         f"{secs}  {_short(t.plan)}")  # fmt: skip
+            lines.append(
+                f" {mark}{format_bytes(t.temp_bytes):>12}  {t.model_seconds:.3g} s"
+                f"{secs}  {_short(t.plan)}"
+            )
         lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
         lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
         return "\n".join(lines)
@@ -410,14 +427,11 @@ def _time(
     fastest; a ratio is the median over the rounds both ran of a candidate's time over the
     winner's.
     """
-    for ex in executables.values():  # warm-up: first-call costs are not step time
-        jax.block_until_ready(ex(*args))
-    times: dict[Any, list[float]] = {k: [] for k in executables}
-    alive = list(executables)
-    rng = random.Random(0)
+    times: dict[Any, list[float]] = {}
     ran = 0
+    alive = list(executables)
 
-    def leader() -> Any:
+    def leader(alive: list[Any]) -> Any:
         best = [min(times[k][i] for k in alive) for i in range(ran)]
         return min(alive, key=lambda k: statistics.median(map(operator.truediv, times[k], best)))
 
@@ -428,16 +442,19 @@ def _time(
         slower = sum(map(operator.gt, times[k], times[lead]))
         return ratio(k, lead) > 1 + margin and slower >= 0.75 * ran
 
-    while ran < rounds and len(alive) > 1:
-        for k in rng.sample(alive, len(alive)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(executables[k](*args))
-            times[k].append(time.perf_counter() - t0)
-        ran += 1
+    def keep(samples: dict[Any, list[float]], running: list[Any], rounds_run: int) -> list[Any]:
+        nonlocal times, ran, alive
+        times, ran = samples, rounds_run
         if ran >= min_rounds:
-            lead = leader()
-            alive = [k for k in alive if not clearly_slower(k, lead)]
-    lead = leader() if ran else alive[0]
+            lead = leader(running)
+            running = [k for k in running if not clearly_slower(k, lead)]
+        alive = running
+        return alive
+
+    fns = {k: functools.partial(ex, *args) for k, ex in executables.items()}
+    # The clock is looked up here, per call, so that a test can replace this module's `time`.
+    times, ran = timing_rounds(fns, rounds=rounds, keep=keep, clock=lambda: time.perf_counter())
+    lead = leader(alive) if ran else alive[0]
     return {k: ratio(k, lead) if times[k] else 1.0 for k in executables}, ran
 
 
@@ -538,8 +555,10 @@ def plan_for_budget(
         if the_plan not in compiled:
             t0 = time.perf_counter()
             compiled[the_plan] = _compile(fn, args, the_plan)
-            say(f"  compiled {_short(the_plan)}: temp {format_bytes(_temp(compiled[the_plan]))} "
-                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+            say(
+                f"  compiled {_short(the_plan)}: temp {format_bytes(_temp(compiled[the_plan]))} "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
         return _temp(compiled[the_plan])
 
     # --- calibration: no remat, every name recomputed, each name saved alone ---
@@ -597,8 +616,9 @@ def plan_for_budget(
 
     def seconds(the_plan: Plan) -> float:
         # Modeled time of a plan: each name's time under the plan's action for it.
-        return sum({a: t for a, _, t in c.options()}.get(the_plan.action(c.name), 0.0)
-                   for c in costs)  # fmt: skip
+        return sum(
+            {a: t for a, _, t in c.options()}.get(the_plan.action(c.name), 0.0) for c in costs
+        )
 
     def allowed(the_plan: Plan) -> bool:
         return all(the_plan.action(n) in allow for n in found)
@@ -615,16 +635,21 @@ def plan_for_budget(
         capacity = min(best.nbytes - 1, capacity - overshoot - 1)
         best, _, _ = solve(costs, capacity)
     # The next fastest candidates predicted to fit, so that the choice is not the model's alone.
-    ahead = [plan_of(dict(p.actions)) for p in sorted(front, key=lambda p: p.seconds)
-             if p.nbytes <= budget_bytes - floor]  # fmt: skip
+    ahead = [
+        plan_of(dict(p.actions))
+        for p in sorted(front, key=lambda p: p.seconds)
+        if p.nbytes <= budget_bytes - floor
+    ]
     for the_plan in [p for p in ahead if p not in compiled][: max(shortlist - 1, 0)]:
         compile_plan(the_plan)
 
     # --- choose among the compiled plans that fit ---
     if not any(allowed(p) for p in compiled):  # e.g. recompute not allowed and nothing solved
         compile_plan(save_all)
-    fits = sorted((p for p in compiled if allowed(p) and _temp(compiled[p]) <= budget_bytes),
-                  key=lambda p: (seconds(p), _temp(compiled[p])))  # fmt: skip
+    fits = sorted(
+        (p for p in compiled if allowed(p) and _temp(compiled[p]) <= budget_bytes),
+        key=lambda p: (seconds(p), _temp(compiled[p])),
+    )
     if not fits:
         least = min(_temp(ex) for p, ex in compiled.items() if allowed(p))
         raise PlanError(
@@ -639,14 +664,25 @@ def plan_for_budget(
         t0 = time.perf_counter()
         timed, ran = _time({p: compiled[p] for p in fits[:shortlist]}, args, rounds=rounds)
         fits = sorted(timed, key=timed.__getitem__)
-        say(f"  timed in {ran} rounds ({time.perf_counter() - t0:.0f} s): "
-            + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits))  # fmt: skip
+        say(
+            f"  timed in {ran} rounds ({time.perf_counter() - t0:.0f} s): "
+            + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits)
+        )
     chosen = fits[0]
     predicted = floor + _predict(costs, chosen)
     tried = tuple(Tried(p, _temp(ex), seconds(p), timed.get(p)) for p, ex in compiled.items())
     return PlanReport(
-        plan=chosen, costs=tuple(costs), budget_bytes=budget_bytes, predicted_temp_bytes=predicted,
-        compiled_temp_bytes=_temp(compiled[chosen]), no_remat_temp_bytes=no_remat,
-        min_temp_bytes=least, floor_temp_bytes=floor, front=tuple(front), exact=exact,
-        tried=tried, measured=bool(timed), notes=tuple(notes),
-    )  # fmt: skip
+        plan=chosen,
+        costs=tuple(costs),
+        budget_bytes=budget_bytes,
+        predicted_temp_bytes=predicted,
+        compiled_temp_bytes=_temp(compiled[chosen]),
+        no_remat_temp_bytes=no_remat,
+        min_temp_bytes=least,
+        floor_temp_bytes=floor,
+        front=tuple(front),
+        exact=exact,
+        tried=tried,
+        measured=bool(timed),
+        notes=tuple(notes),
+    )

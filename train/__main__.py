@@ -131,19 +131,29 @@ def main(argv: list[str] | None = None) -> int:
         NonFiniteError,
         RunLockedError,
         run,
-    )  # fmt: skip
+    )
     from train.state import DonationError
 
     # Only the errors that name a fix are reported without a traceback; anything else is a bug
     # or an environment failure and propagates (exit 1 with its traceback).
-    codes = {NonFiniteError: 3, CheckpointError: 4, ConfigChangedError: 4, RunLockedError: 5,
-             SetupError: 2, DonationError: 1}  # fmt: skip
+    codes = {
+        NonFiniteError: 3,
+        CheckpointError: 4,
+        ConfigChangedError: 4,
+        RunLockedError: 5,
+        SetupError: 2,
+        DonationError: 1,
+    }
     try:
         result = run(
-            cfg, restart=args.restart, dry_run=args.dry_run, stop_after=args.stop_after,
-            allow_config_change=args.allow_config_change, allow_dtype_cast=args.allow_dtype_cast,
+            cfg,
+            restart=args.restart,
+            dry_run=args.dry_run,
+            stop_after=args.stop_after,
+            allow_config_change=args.allow_config_change,
+            allow_dtype_cast=args.allow_dtype_cast,
             max_consecutive_skips=args.max_consecutive_skips,
-        )  # fmt: skip
+        )
     except tuple(codes) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return next(code for kind, code in codes.items() if isinstance(e, kind))

@@ -45,8 +45,11 @@ def request_errors(remat: Mapping[str, Any]) -> list[tuple[str, str]]:
     >>> [path for path, _ in request_errors({"policy": "auto", "bugdet": 2})]
     ['remat.bugdet', 'remat.budget']
     """
-    errors = [(f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_KEYS)}")
-              for k in remat if k not in _KEYS]  # fmt: skip
+    errors = [
+        (f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_KEYS)}")
+        for k in remat
+        if k not in _KEYS
+    ]
     if "budget" not in remat:
         errors.append(("remat.budget", "policy: auto needs a budget, e.g. budget: 2GiB or 0.5"))
     else:

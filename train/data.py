@@ -350,9 +350,15 @@ def load_synthetic(cfg: Data, task: Task) -> Dataset:
         toks = rng.integers(0, s.vocab_size, n_tok, dtype=np.int32)
         cut = s.num_examples * cfg.seq_len + 1
         return Dataset(
-            "lm", toks[:cut], None, toks[cut:], None, vocab_size=s.vocab_size,
-            seq_len=cfg.seq_len, name="synthetic",
-        )  # fmt: skip
+            "lm",
+            toks[:cut],
+            None,
+            toks[cut:],
+            None,
+            vocab_size=s.vocab_size,
+            seq_len=cfg.seq_len,
+            name="synthetic",
+        )
     n = s.num_examples + n_test
     x = rng.standard_normal((n, *s.image_shape), dtype=np.float32)
     y = rng.integers(0, s.num_classes, n)

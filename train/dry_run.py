@@ -56,8 +56,10 @@ def dry_run_report(exp: Experiment) -> None:
     say("memory report (residuals saved for the backward pass):")
     say(str(rn.memory_report(loss_of_params, state.params)))
     say("XLA compiled memory of the train step (per device, state donated):")
-    say(str(rn.compiled_memory(exp.step_fn, exp.abstract, _abstract(batch),
-                               jit_kwargs=exp.jit_kwargs)))  # fmt: skip
+    compiled = rn.compiled_memory(
+        exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs
+    )
+    say(str(compiled))
 
 
 def _abstract(tree: Any) -> Any:

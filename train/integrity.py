@@ -120,8 +120,11 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     ["['b']"]
     """
     flat = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
-    bad = [p for p, x in flat if not isinstance(x, jax.Array) and _inexact(x)
-           and not np.isfinite(np.asarray(x)).all()]  # fmt: skip
+    bad = [
+        p
+        for p, x in flat
+        if not isinstance(x, jax.Array) and _inexact(x) and not np.isfinite(np.asarray(x)).all()
+    ]
     groups: dict[frozenset[Any], list[tuple[str, jax.Array]]] = {}
     for p, x in flat:
         if isinstance(x, jax.Array) and _inexact(x):
@@ -172,13 +175,17 @@ class HostCopies:
                 whole, pieces = True, ([("", shards[0].data)] if main else [])
             else:
                 whole = False
-                pieces = [(index_key(s.index, x.shape), s.data)
-                          for s in x.addressable_shards if s.replica_id == 0]  # fmt: skip
+                pieces = [
+                    (index_key(s.index, x.shape), s.data)
+                    for s in x.addressable_shards
+                    if s.replica_id == 0
+                ]
             for _, data in pieces:
                 if isinstance(data, jax.Array):
                     data.copy_to_host_async()
-            self._leaves.append((jax.tree_util.keystr(path), list(x.shape), str(x.dtype), whole,
-                                 pieces))  # fmt: skip
+            self._leaves.append(
+                (jax.tree_util.keystr(path), list(x.shape), str(x.dtype), whole, pieces)
+            )
 
     def take(self) -> None:
         """Waits for the host copies; after it the device arrays are no longer needed."""
@@ -241,17 +248,22 @@ def checksum_problems(path: str, x: Any, record: dict[str, Any]) -> list[str]:
 
     def check(host: np.ndarray, origin: tuple[slice, ...], regions: list[Any]) -> None:
         for key, region, want in regions:
-            rel = tuple(slice(r.start - o.start, r.stop - o.start)
-                        for r, o in zip(region, origin, strict=True))  # fmt: skip
+            rel = tuple(
+                slice(r.start - o.start, r.stop - o.start)
+                for r, o in zip(region, origin, strict=True)
+            )
             got = _crc32(host[rel])
             if got != want:
                 where = f"leaf {path}" if key is None else f"leaf {path} shard [{key}]"
-                problems.append(f"checksum: {where} does not match its manifest (crc32 "
-                                f"{got:#010x}, manifest {want:#010x})")  # fmt: skip
+                problems.append(
+                    f"checksum: {where} does not match its manifest (crc32 "
+                    f"{got:#010x}, manifest {want:#010x})"
+                )
 
     def inside(region: tuple[slice, ...], origin: tuple[slice, ...]) -> bool:
-        return all(o.start <= r.start and r.stop <= o.stop
-                   for r, o in zip(region, origin, strict=True))  # fmt: skip
+        return all(
+            o.start <= r.start and r.stop <= o.stop for r, o in zip(region, origin, strict=True)
+        )
 
     if pending and isinstance(x, jax.Array):
         for shard in x.addressable_shards:  # replicas of one index: the first checks it

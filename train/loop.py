@@ -56,10 +56,20 @@ from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
 from train.state import TrainState
 
 __all__ = [
-    "CheckpointError", "ConfigChangedError", "Experiment", "NonFiniteError", "RunLockedError",
-    "RunResult", "SetupError", "build_experiment", "finish", "restore_or_init",
-    "run", "start", "train_loop",
-]  # fmt: skip
+    "CheckpointError",
+    "ConfigChangedError",
+    "Experiment",
+    "NonFiniteError",
+    "RunLockedError",
+    "RunResult",
+    "SetupError",
+    "build_experiment",
+    "finish",
+    "restore_or_init",
+    "run",
+    "start",
+    "train_loop",
+]
 
 
 class NonFiniteError(RuntimeError):
@@ -145,25 +155,37 @@ def run(
         exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
         _prepare_run_dir(exp, restart=restart)
         ckpt = Checkpointer(
-            exp.run_dir / "checkpoints", cfg.checkpoint,
+            exp.run_dir / "checkpoints",
+            cfg.checkpoint,
             config_hash=integrity.config_hash(cfg.model_dump(mode="json")),
             warn=lambda s: print(s, file=sys.stderr, flush=True),
-        )  # fmt: skip
+        )
         try:
             if ckpt.removed_tmp:
                 say(f"removed unfinished saves of a killed run: {', '.join(ckpt.removed_tmp)}")
             state, resume = restore_or_init(
-                exp, ckpt, allow_dtype_cast=allow_dtype_cast,
+                exp,
+                ckpt,
+                allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
-            )  # fmt: skip
+            )
             if resume.step >= cfg.train.steps:
                 say(_already_complete(cfg, resume.step, exp.run_dir))
-                return RunResult(resume.step, state, run_dir=exp.run_dir,
-                                 resumed_from=resume.step, seconds=_since(t_start))  # fmt: skip
+                return RunResult(
+                    resume.step,
+                    state,
+                    run_dir=exp.run_dir,
+                    resumed_from=resume.step,
+                    seconds=_since(t_start),
+                )
             outcome = train_loop(
-                exp, ckpt, state, resume,
-                stop_after=stop_after, max_consecutive_skips=max_consecutive_skips,
-            )  # fmt: skip
+                exp,
+                ckpt,
+                state,
+                resume,
+                stop_after=stop_after,
+                max_consecutive_skips=max_consecutive_skips,
+            )
         finally:
             try:
                 ckpt.wait()  # raises if the last save failed (e.g. disk full)
@@ -340,7 +362,7 @@ def build_experiment(
             batch={
                 k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
                 for k, v in example.items()
-            },  # fmt: skip
+            },
             compute_dtype=compute_dtype,
             has_batch_stats=has_bn,
             say=say,
@@ -351,9 +373,13 @@ def build_experiment(
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
-        model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=has_bn,
+        model,
+        tx,
+        schedule,
+        compute_dtype=compute_dtype,
+        has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
-    )  # fmt: skip
+    )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()
@@ -374,12 +400,27 @@ def build_experiment(
         alias_bytes = state_lib.verify_donation(train_step, abstract)
         say(f"donation: XLA aliases {_fmt_bytes(alias_bytes)} per device (the whole train state)")
     return Experiment(
-        cfg=cfg, dataset=dataset, model=model, options=options, mesh=mesh,
-        global_batch=global_bs, batch_sharding=batch_sh, replicated=repl,
-        state_shardings=state_sh, abstract=abstract, init=init, tx=tx, step_fn=step_fn,
-        jit_kwargs=jit_kwargs, train_step=train_step, eval_step=eval_step,
-        compute_dtype=compute_dtype, has_batch_stats=has_bn, say=say, out=out,
-    )  # fmt: skip
+        cfg=cfg,
+        dataset=dataset,
+        model=model,
+        options=options,
+        mesh=mesh,
+        global_batch=global_bs,
+        batch_sharding=batch_sh,
+        replicated=repl,
+        state_shardings=state_sh,
+        abstract=abstract,
+        init=init,
+        tx=tx,
+        step_fn=step_fn,
+        jit_kwargs=jit_kwargs,
+        train_step=train_step,
+        eval_step=eval_step,
+        compute_dtype=compute_dtype,
+        has_batch_stats=has_bn,
+        say=say,
+        out=out,
+    )
 
 
 def _schedule_steps(cfg: Config) -> int:
@@ -393,8 +434,10 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
     # The compute dtype is one knob: train.compute_dtype sets the model's `dtype` option.
     opts = dict(cfg.model.options)  # the remat plan is handed over by train.remat
     fields = spec.options.model_fields
-    from_data: dict[str, int | None] = {"num_classes": dataset.num_classes,
-                                        "vocab_size": dataset.vocab_size}  # fmt: skip
+    from_data: dict[str, int | None] = {
+        "num_classes": dataset.num_classes,
+        "vocab_size": dataset.vocab_size,
+    }
     if dataset.task == "classify":
         from_data["image_size"] = dataset.train_x.shape[1]
         from_data["in_channels"] = dataset.train_x.shape[3]
@@ -468,9 +511,11 @@ def restore_or_init(
     # a, b, c: the newest verified step, restored onto this mesh with every leaf re-made in an
     # XLA-owned buffer one at a time (peak: the state plus one leaf), so the first step donates.
     found = ckpt.restore_latest(
-        exp.abstract, allow_dtype_cast=allow_dtype_cast,
-        allow_config_change=allow_config_change, donatable=True,
-    )  # fmt: skip
+        exp.abstract,
+        allow_dtype_cast=allow_dtype_cast,
+        allow_config_change=allow_config_change,
+        donatable=True,
+    )
     if found is None:
         state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
         resume = Resume()
@@ -571,9 +616,12 @@ def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
     """Loss and accuracy on the test split (at most ``train.eval_batches`` batches)."""
     sums = jax.device_put(state_lib.eval_zeros(), exp.replicated)
     for local in data_lib.eval_batches(
-        exp.dataset, global_batch=exp.global_batch, max_batches=exp.cfg.train.eval_batches,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    ):  # fmt: skip
+        exp.dataset,
+        global_batch=exp.global_batch,
+        max_batches=exp.cfg.train.eval_batches,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    ):
         sums = exp.eval_step(state, sharding_lib.global_batch(local, exp.batch_sharding), sums)
     s = jax.device_get(sums)
     count = max(float(s["count"]), 1.0)
@@ -618,19 +666,25 @@ def train_loop(
             f"{faults.ENV}: nan@<step> needs float inputs; {exp.dataset.name} has ints"
         )
     batches = data_lib.Batches(
-        exp.dataset, global_batch=exp.global_batch, seed=cfg.train.seed,
+        exp.dataset,
+        global_batch=exp.global_batch,
+        seed=cfg.train.seed,
         position=resume.data_position,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    )  # fmt: skip
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     metrics = _StepMetrics(
         halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
     )
     log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
     stop = multihost.StopSignals()
     bar = tqdm(
-        total=total, initial=resume.step, disable=not _progress_enabled(cfg, exp.is_main),
-        dynamic_ncols=True, unit="step",
-    )  # fmt: skip
+        total=total,
+        initial=resume.step,
+        disable=not _progress_enabled(cfg, exp.is_main),
+        dynamic_ncols=True,
+        unit="step",
+    )
     say = exp.say if bar.disable else _printer(exp.out or tqdm.write, exp.is_main)
     step, last_ckpt = resume.step, resume.checkpoint
     last_eval: dict[str, float] | None = None
@@ -667,11 +721,15 @@ def train_loop(
                 now = time.perf_counter()
                 rate = (step - step_log) / max(now - t_log, 1e-9)
                 line = {
-                    "loss": metrics.mean("loss"), "accuracy": metrics.mean("accuracy"),
-                    "grad_norm": metrics.mean("grad_norm"), "lr": metrics.lr,
-                    "steps_per_sec": rate, "examples_per_sec": rate * exp.global_batch,
-                    "epoch": batches.epoch, "skipped": metrics.skipped,
-                }  # fmt: skip
+                    "loss": metrics.mean("loss"),
+                    "accuracy": metrics.mean("accuracy"),
+                    "grad_norm": metrics.mean("grad_norm"),
+                    "lr": metrics.lr,
+                    "steps_per_sec": rate,
+                    "examples_per_sec": rate * exp.global_batch,
+                    "epoch": batches.epoch,
+                    "skipped": metrics.skipped,
+                }
                 metrics.window.clear()
                 t_log, step_log = now, step
                 log.record("train", step, line)
@@ -698,13 +756,17 @@ def train_loop(
                 ranked = None
                 if is_eval and last_eval is not None:
                     ranked = {f"eval_{k}": v for k, v in last_eval.items()}
-                if ckpt.save(step, state, data_position=batches.position, metrics=ranked,
-                             force=step == end or stopping):  # fmt: skip
+                force = step == end or stopping
+                if ckpt.save(
+                    step, state, data_position=batches.position, metrics=ranked, force=force
+                ):
                     last_ckpt = step
             if stopping:
                 interrupted = stop.agreed_name()
-                say(f"{interrupted}: saved checkpoint at step {step}; rerun the same command "
-                    "to resume")  # fmt: skip
+                say(
+                    f"{interrupted}: saved checkpoint at step {step}; rerun the same command "
+                    "to resume"
+                )
                 break
     finally:
         bar.close()
@@ -731,10 +793,14 @@ def finish(
             f"{outcome.eval['accuracy']:.4f} | run directory {exp.run_dir}"
         )
     return RunResult(
-        step=outcome.step, state=outcome.state, eval=outcome.eval,
-        interrupted=outcome.interrupted, run_dir=exp.run_dir, resumed_from=resumed_from,
+        step=outcome.step,
+        state=outcome.state,
+        eval=outcome.eval,
+        interrupted=outcome.interrupted,
+        run_dir=exp.run_dir,
+        resumed_from=resumed_from,
         seconds=seconds,
-    )  # fmt: skip
+    )
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -23,8 +23,11 @@ __all__ = ["StopSignals", "share_verdict", "sync"]
 
 # Start-up failures every process re-raises as the same class (any other: RuntimeError).
 _SHARED_ERRORS: tuple[type[Exception], ...] = (
-    RunLockedError, ConfigChangedError, CheckpointError, SetupError,
-)  # fmt: skip
+    RunLockedError,
+    ConfigChangedError,
+    CheckpointError,
+    SetupError,
+)
 _MESSAGE_BYTES = 16384
 
 

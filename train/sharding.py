@@ -140,9 +140,11 @@ def make_mesh(cfg: Mesh, devices: list[Any] | None = None) -> jax.sharding.Mesh:
             "process run; every process needs devices in the mesh. Fix: use -1 for one axis."
         )
     return jax.make_mesh(
-        (data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+        (data, fsdp),
+        BATCH_AXES,
+        axis_types=(AxisType.Auto, AxisType.Auto),
         devices=devices[: data * fsdp],
-    )  # fmt: skip
+    )
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

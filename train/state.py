@@ -157,7 +157,7 @@ def make_optimizer(
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
                 mask=mask,
-            )  # fmt: skip
+            )
         )
     return optax.chain(*parts), schedule
 
@@ -198,8 +198,9 @@ def make_init(
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        tree)  # fmt: skip
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def _loss_and_accuracy(logits: jax.Array, labels: jax.Array, weights: jax.Array | None):
@@ -226,9 +227,12 @@ def make_loss_fn(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
         out = model.apply(
-            variables, x, train=True, rngs={"dropout": key},
+            variables,
+            x,
+            train=True,
+            rngs={"dropout": key},
             mutable=["batch_stats"] if has_batch_stats else False,
-        )  # fmt: skip
+        )
         logits, new_vars = out if has_batch_stats else (out, {})
         loss_sum, correct, count = _loss_and_accuracy(logits.astype(jnp.float32), batch["y"], None)
         new_stats = new_vars.get("batch_stats", batch_stats)

@@ -138,8 +138,9 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
         dys = jax.tree.map(jnp.ones_like, ys)
         want_dxs = vjp(dys)
         known = {k % len(args) for k in self.known_argnums}
-        xs_in = tuple(a if i in known else jax.tree.map(lambda _: None, a)
-                      for i, a in enumerate(args))  # fmt: skip
+        xs_in = tuple(
+            a if i in known else jax.tree.map(lambda _: None, a) for i, a in enumerate(args)
+        )
         xs, dxs = self.ivjp(xs_in, ys, dys)
         worst = 0.0
         for what, got, want in (("reconstructed input", xs, args), ("cotangent", dxs, want_dxs)):

@@ -55,7 +55,7 @@ def describe_options() -> str:
                 lines.extend(
                     textwrap.wrap(
                         field.description, 96, initial_indent=" " * 6, subsequent_indent=" " * 6
-                    )  # fmt: skip
+                    )
                 )
 
     walk(Config, "")

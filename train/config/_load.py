@@ -37,18 +37,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         p = Path(path)
         tree, errors = read_yaml(read_text(p, source), source)
         if tree is None:
-            raise ConfigError(
-                source,
-                [("", "the file holds no settings (it is empty or only comments). Fix: write "
-                      "the sections to change (model:, data:, optim:, ...), or omit --config "
-                      "to run with the defaults")],
-            )  # fmt: skip
+            empty = (
+                "the file holds no settings (it is empty or only comments). Fix: write the "
+                "sections to change (model:, data:, optim:, ...), or omit --config to run with "
+                "the defaults"
+            )
+            raise ConfigError(source, [("", empty)])
         if not isinstance(tree, dict):
-            raise ConfigError(
-                source,
-                [("", f"the top level must be a mapping of sections (model:, data:, optim:, "
-                      f"...), got a {type(tree).__name__}")],
-            )  # fmt: skip
+            not_sections = (
+                "the top level must be a mapping of sections (model:, data:, optim:, ...), got "
+                f"a {type(tree).__name__}"
+            )
+            raise ConfigError(source, [("", not_sections)])
         tree.setdefault("name", p.stem)
     errors += apply_overrides(tree, overrides)
     # A value already reported (a duplicate key, `yes`, `010`) is not reported again by the schema.

@@ -241,8 +241,8 @@ def read_text(p: Path, source: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            source,
-            [("", f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} (offset "
-                  f"{e.start}). Fix: save the file as UTF-8")],
-        ) from None  # fmt: skip
+        not_utf8 = (
+            f"not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} (offset {e.start}). "
+            "Fix: save the file as UTF-8"
+        )
+        raise ConfigError(source, [("", not_utf8)]) from None
