@@ -11,8 +11,9 @@ Options are ``key=value`` pairs read as YAML values (``scan_layers=false``, ``wi
 ``custom_plan={save: [query_proj]}``) and validated by the model's schema. Prints:
 
 - parameters (counted with ``jax.eval_shape``: nothing is allocated);
-- matmul FLOPs per example of one forward pass, counted from the jaxpr (``dot_general`` and
-  convolutions, ``2 * multiply-adds``; a ``lax.scan`` body counts ``length`` times);
+- matmul FLOPs per example of one forward pass, counted from the jaxpr by
+  :func:`remat_nn.matmul_flops` (``dot_general`` and convolutions, ``2 * multiply-adds``; a
+  ``lax.scan`` body counts ``length`` times);
 - the residuals the backward pass keeps (:func:`remat_nn.memory_report`), grouped by name;
 - XLA's compiled memory of ``jax.jit(jax.grad(loss))`` (:func:`remat_nn.compiled_memory`),
   unless ``--no-compile``.
@@ -29,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pydantic
@@ -37,7 +37,8 @@ import yaml
 
 import models
 import remat_nn as rn
-from remat_nn._jax_internals import saved_residuals, sub_jaxprs
+from remat_nn._jax_internals import saved_residuals
+from remat_nn._memory import format_bytes
 
 __all__ = ["count_matmul_flops", "count_params", "example_batch", "loss_fn", "main"]
 
@@ -50,40 +51,9 @@ def count_params(tree: Any) -> int:
     return sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(tree))
 
 
-def _eqn_flops(eqn: Any) -> float:
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
-        contracted = math.prod(lhs.shape[d] for d in lc)
-        return 2.0 * math.prod(out.shape) * contracted
-    if name == "conv_general_dilated":
-        rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
-        dn = eqn.params["dimension_numbers"]
-        # per output element: kernel spatial size x input features per group
-        k_spatial = math.prod(rhs.shape[d] for d in dn.rhs_spec[2:])
-        in_per_group = rhs.shape[dn.rhs_spec[1]]
-        return 2.0 * math.prod(out.shape) * k_spatial * in_per_group
-    return 0.0
-
-
-def _jaxpr_flops(jaxpr: Any) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        total += _eqn_flops(eqn)
-        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for sub in sub_jaxprs(eqn):  # jit, checkpoint, custom_vjp, scan bodies (remat3's too)
-            total += times * _jaxpr_flops(sub)
-    return total
-
-
-def count_matmul_flops(fn: Callable[..., Any], *args: Any) -> float:
-    """FLOPs of the matmuls and convolutions of ``fn(*args)``, counted from its jaxpr.
-
-    >>> count_matmul_flops(lambda a, b: a @ b, jnp.ones((2, 3)), jnp.ones((3, 4)))
-    48.0
-    """
-    return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+# The counter the planner and the benchmarks use (remat_nn/_flops.py), under the name this
+# module has always exported.
+count_matmul_flops = rn.matmul_flops
 
 
 def example_batch(spec: models.ModelSpec, opts: pydantic.BaseModel, batch: int) -> jax.Array:
@@ -162,7 +132,7 @@ def summarize(name: str, overrides: dict[str, Any], *, batch: int, compile: bool
     params = variables["params"]
     state = {k: v for k, v in variables.items() if k != "params"}
     forward = lambda p, x: module.apply({"params": p, **state}, x, train=False)
-    flops = count_matmul_flops(forward, params, x) / batch
+    flops = rn.matmul_flops(forward, params, x) / batch
     loss = loss_fn(module, spec, variables)
     lines = [
         f"model      {name}  ({spec.doc})",
@@ -192,7 +162,7 @@ def _residual_report(loss: Callable[..., Any], params: Any, x: jax.Array) -> str
         res = saved_residuals(loss, params, x)
         total = sum(math.prod(a.shape) * _itemsize(a.dtype) for a, _ in res)
         return (
-            f"residuals  {len(res)} values, {total / 2**20:.2f} MiB (jax saved_residuals; "
+            f"residuals  {len(res)} values, {format_bytes(total)} (jax saved_residuals; "
             f"rn.memory_report failed: {type(e).__name__}: {e})"
         )
 

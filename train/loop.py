@@ -43,6 +43,7 @@ import yaml
 from tqdm import tqdm
 
 import models
+from remat_nn._memory import format_bytes
 from train import autoplan, faults, integrity, multihost
 from train import data as data_lib
 from train import remat as remat_lib
@@ -398,7 +399,7 @@ def build_experiment(
     )
     if cfg.train.verify_donation:
         alias_bytes = state_lib.verify_donation(train_step, abstract)
-        say(f"donation: XLA aliases {_fmt_bytes(alias_bytes)} per device (the whole train state)")
+        say(f"donation: XLA aliases {format_bytes(alias_bytes)} per device (the whole train state)")
     return Experiment(
         cfg=cfg,
         dataset=dataset,
@@ -815,14 +816,6 @@ def _progress_enabled(cfg: Config, is_main: bool) -> bool:
     if not is_main or cfg.train.progress == "off":
         return False
     return cfg.train.progress == "on" or sys.stderr.isatty()
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def _since(t: float) -> float:
