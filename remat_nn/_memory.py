@@ -2,7 +2,8 @@
 
 - :func:`memory_report`: the residuals ``jax.vjp`` keeps for the backward pass, grouped by
   activation name and by source (module scope and file:line), with the action (saved in device
-  memory, or offloaded to host). Its totals equal ``jax.ad_checkpoint.saved_residuals``.
+  memory, or offloaded to host). Its totals equal JAX's ``saved_residuals`` (the list
+  ``jax.ad_checkpoint.print_saved_residuals`` prints).
 - :func:`compiled_memory`: XLA's compiled memory analysis, with a true peak.
 - :func:`compare_policies`: both, for several policies, in one table.
 """
@@ -123,7 +124,7 @@ def _scope(eqn: Any) -> str:
 
 def _look_through(jaxpr: Any, v: Any) -> Any:
     # reduce_precision (inserted by remat) and device_put (an offload) carry a value unchanged:
-    # describe the value they carry, as jax.ad_checkpoint.saved_residuals does.
+    # describe the value they carry, as JAX's saved_residuals does.
     producers = {o: e for e in jaxpr.eqns for o in e.outvars}
     while (
         not isinstance(v, core.Literal)
@@ -289,7 +290,8 @@ class CompiledMemory:
     """XLA's compiled memory analysis of one jitted function, field names as in XLA.
 
     ``peak_bytes`` is temp + argument + output - alias: XLA:CPU's own
-    ``peak_memory_in_bytes`` is not a peak (measured, see DESIGN.md).
+    ``peak_memory_in_bytes`` is not a peak (README.md, "Measuring memory"; the tests check
+    ``peak_bytes`` against the buffers live at once, counted by hand).
     """
 
     temp_size_in_bytes: int
