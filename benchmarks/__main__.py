@@ -1,8 +1,11 @@
-"""``python -m benchmarks [NAME ...] [--quick]``: memory and speed evidence, written to results/.
+"""``python -m benchmarks [all | NAME ...] [--quick]``: memory and speed evidence, to results/.
 
-Memory figures come from XLA's compiled memory analysis (exact, CPU-friendly); times are medians
-of repeated steps after warm-up, reported as ratios against the baseline measured in the same run.
-Each result file records the machine, the versions and the command that reproduces it.
+Memory figures come from XLA's compiled memory analysis (exact, CPU-friendly). Times are paired:
+every function compared runs once per round, rounds in a fresh random order, a ratio is the
+median over rounds of two times from the same round, and the baseline timed against itself in
+the same rounds gives the noise printed beside each verdict. Each result file records the
+machine, the versions and the command; ``summary.md`` collects every target, and the README's
+table is pasted from the one printed at the end of ``python -m benchmarks all``.
 """
 
 from __future__ import annotations
@@ -35,19 +38,30 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "names", nargs="*", help=f"benchmarks to run (default all): {list(BENCHMARKS)}"
+        "names", nargs="*", help=f"'all' (the default) or some of {list(BENCHMARKS)}"
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds, for tests)")
     parser.add_argument("--out", type=Path, default=_common.RESULTS, help="results directory")
     args = parser.parse_args(argv)
-    unknown = [n for n in args.names if n not in BENCHMARKS]
+    unknown = [n for n in args.names if n not in BENCHMARKS and n != "all"]
     if unknown:
-        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
-    for name in args.names or list(BENCHMARKS):
+        parser.error(f"unknown benchmark(s) {unknown}; choose 'all' or from {list(BENCHMARKS)}")
+    names = list(BENCHMARKS) if not args.names or "all" in args.names else args.names
+    start = time.perf_counter()
+    for name in names:
         t0 = time.perf_counter()
         result = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick)
         path = _common.write(result, quick=args.quick, out=args.out)
+        _common.write_summary(args.out, list(BENCHMARKS), quick=args.quick)
         print(f"\n[{name}: {time.perf_counter() - t0:.0f}s -> {path}]\n", flush=True)
+    print(f"[{', '.join(names)}: {time.perf_counter() - start:.0f}s in all]", flush=True)
+    print("\nThe README's table (benchmarks/results/summary.md):\n", flush=True)
+    print(
+        _common.summary_table(
+            args.out, list(BENCHMARKS), quick=args.quick, link_prefix="benchmarks/results/"
+        ),
+        flush=True,
+    )
     return 0
 
 

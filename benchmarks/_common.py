@@ -5,10 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,16 +14,29 @@ from typing import Any
 
 import jax
 
+from remat_nn._timing import timing_rounds
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
 class Target:
-    """A stated target: the claim, whether it was met, and the measured figure."""
+    """A stated target: the claim, the verdict, the measured figure and the noise beside it.
+
+    ``met`` is a bool for exact measurements (memory, counts) or a verdict string from
+    :func:`verdict` for timings, where a margin inside the measured noise is "within noise".
+    """
 
     claim: str
-    met: bool
+    met: bool | str
     figure: str
+    noise: str = "exact"
+
+    @property
+    def verdict(self) -> str:
+        if isinstance(self.met, str):
+            return self.met
+        return "yes" if self.met else "NO"
 
 
 @dataclass
@@ -38,62 +49,84 @@ class Result:
     targets: list[Target] = field(default_factory=list)
 
 
-def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 7) -> float:
-    """Median wall time of ``fn()`` (blocked until ready) after ``warmup`` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+@dataclass
+class Paired:
+    """Times of several functions in the same shuffled rounds, one of them timed twice.
+
+    ``samples[k]`` holds ``k``'s seconds per call in each round; ``samples[AGAIN]`` is the
+    ``itself`` function run as a second entry of every round. A ratio is the median over rounds
+    of two times taken in the same round (a slow spell spanning a round cancels); the ratio of
+    ``itself`` to its second entry shows the noise such a ratio still carries.
+    """
+
+    samples: dict[str, list[float]]
+    itself: str
+
+    def ratio(self, a: str, b: str) -> float:
+        """Median over rounds of ``a``'s time over ``b``'s in the same round."""
+        return statistics.median(
+            x / y for x, y in zip(self.samples[a], self.samples[b], strict=True)
+        )
+
+    def seconds(self, k: str) -> float:
+        """Median seconds per call of ``k`` over the rounds."""
+        return statistics.median(self.samples[k])
+
+    @property
+    def rounds(self) -> int:
+        return len(self.samples[self.itself])
+
+    @property
+    def noise(self) -> float:
+        """Relative noise of a paired ratio: the same function against itself.
+
+        The larger of its median's distance from 1 and the half-width of a 95% interval of that
+        median (1.96 x the median's standard error, 1.2533 x the ratios' robust standard
+        deviation 1.4826 x MAD, over the square root of the rounds).
+        """
+        r = [x / y for x, y in zip(self.samples[AGAIN], self.samples[self.itself], strict=True)]
+        m = statistics.median(r)
+        mad = statistics.median(abs(x - m) for x in r)
+        return max(abs(m - 1), 1.96 * 1.2533 * 1.4826 * mad / len(r) ** 0.5)
+
+    def noise_text(self) -> str:
+        return f"±{self.noise:.1%} ({self.itself} vs itself, {rounds_text(self.rounds)})"
 
 
-def interleaved_samples(
+def rounds_text(n: int) -> str:
+    return f"{n} round" + ("s" if n != 1 else "")
+
+
+#: The key of the second entry of the ``itself`` function in :class:`Paired` samples.
+AGAIN = "(again)"
+
+
+def paired(
     fns: dict[str, Callable[[], Any]],
     *,
-    warmup: int = 2,
-    rounds: int = 9,
-    min_seconds: float = 0.05,
-    shuffle: bool = False,
-) -> dict[str, list[float]]:
-    """Wall time per call of each ``fns[k]()`` in each of ``rounds`` interleaved rounds.
+    itself: str,
+    rounds: int,
+    warmup: int = 1,
+    min_seconds: float = 0.0,
+) -> Paired:
+    """Times ``fns`` in ``rounds`` shuffled rounds with ``fns[itself]`` run twice per round.
 
-    Each round times every function once (repeating a call until ``min_seconds`` passed, so
-    millisecond steps are not lost in timer noise); interleaving spreads the load of a shared
-    machine over all of them alike, so their ratios hold even when absolute times drift.
-    ``shuffle`` runs each round in a fresh (seeded) random order, so that no function always
-    follows the same one.
+    The shared implementation is :func:`remat_nn._timing.timing_rounds`; ``min_seconds`` repeats
+    a fast function within its slot so that its time is not lost in timer resolution.
     """
-    reps = {}
-    for k, fn in fns.items():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        reps[k] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    rng = random.Random(0)
-    for _ in range(rounds):
-        for k in rng.sample(list(fns), len(fns)) if shuffle else fns:
-            t0 = time.perf_counter()
-            for _ in range(reps[k]):
-                out = fns[k]()
-            jax.block_until_ready(out)
-            samples[k].append((time.perf_counter() - t0) / reps[k])
-    return samples
+    entries = {**fns, AGAIN: fns[itself]}
+    samples, _ = timing_rounds(
+        entries, rounds=rounds, warmup=warmup, min_seconds=min_seconds, shuffle=True
+    )
+    return Paired(samples, itself)
 
 
-def interleaved_seconds(fns: dict[str, Callable[[], Any]], **kwargs: Any) -> dict[str, float]:
-    """Median of :func:`interleaved_samples` per function (same arguments)."""
-    return {k: statistics.median(v) for k, v in interleaved_samples(fns, **kwargs).items()}
-
-
-def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of ``a``'s time over ``b``'s in the same round: a slow spell of the
-    shared machine that spans a round cancels."""
-    return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
+def verdict(value: float, bound: float, noise: float, *, at_most: bool) -> str:
+    """ "yes" / "NO" for ``value <= bound`` (or ``>=``), "within noise" when the margin between
+    the two is inside ``noise`` (relative)."""
+    if abs(value - bound) <= noise * abs(bound):
+        return "within noise"
+    return "yes" if (value <= bound if at_most else value >= bound) else "NO"
 
 
 def machine() -> str:
@@ -129,10 +162,8 @@ def write(result: Result, *, quick: bool, out: Path = RESULTS) -> Path:
         result.markdown,
     ]
     if result.targets:
-        lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
-        lines += [
-            f"| {t.claim} | {'yes' if t.met else 'NO'} | {t.figure} |" for t in result.targets
-        ]
+        lines += ["", TARGETS, "", TARGET_HEAD, "|---|---|---|---|"]
+        lines += [f"| {t.claim} | {t.verdict} | {t.figure} | {t.noise} |" for t in result.targets]
     for fname, fig in result.figures.items():
         stem, ext = os.path.splitext(fname)
         path = out / f"{stem}{suffix}{ext}"
@@ -142,3 +173,51 @@ def write(result: Result, *, quick: bool, out: Path = RESULTS) -> Path:
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines), file=sys.stdout, flush=True)
     return md
+
+
+TARGETS = "## Targets"
+TARGET_HEAD = "| target | verdict | measured | noise |"
+
+
+def targets_of(md: Path) -> list[list[str]]:
+    """The rows of a result file's targets table: [claim, verdict, measured, noise] each."""
+    lines = md.read_text().splitlines()
+    if TARGETS not in lines:
+        return []
+    rows = []
+    for line in lines[lines.index(TARGETS) + 4 :]:
+        if not line.startswith("| "):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def summary_table(out: Path, names: list[str], *, quick: bool, link_prefix: str = "") -> str:
+    """The targets of every result file in ``out`` as one markdown table (benchmark order)."""
+    suffix = "_quick" if quick else ""
+    lines = ["| benchmark | target | measured | noise | verdict |", "|---|---|---|---|---|"]
+    for name in names:
+        md = out / f"{name}{suffix}.md"
+        if md.exists():
+            for claim, met, figure, noise in targets_of(md):
+                link = f"[{name}]({link_prefix}{md.name})"
+                lines.append(f"| {link} | {claim} | {figure} | {noise} | {met} |")
+    return "\n".join(lines)
+
+
+def write_summary(out: Path, names: list[str], *, quick: bool) -> Path:
+    """Writes ``<out>/summary.md``: every target of the result files, as the README shows it."""
+    suffix = "_quick" if quick else ""
+    path = out / f"summary{suffix}.md"
+    text = [
+        "# Benchmark targets",
+        "",
+        f"Generated by `{command(['all'], quick)}` from the targets of each result file "
+        "(each file states the machine, the versions and the command). A timing verdict is "
+        '"within noise" when its margin to the target is inside the noise measured beside it: '
+        "the same executable timed against itself in the same shuffled rounds.",
+        "",
+        summary_table(out, names, quick=quick),
+    ]
+    path.write_text("\n".join(text) + "\n")
+    return path

@@ -5,7 +5,8 @@ CIFAR-sized inputs, BatchNorm in training mode (``mutable=["batch_stats"]``). Me
 compiled analysis of ``jax.jit(jax.grad(loss, has_aux=True))``: temp bytes (activations and
 scratch) and peak (temp + arguments + outputs). Memory is affine in the batch, so two compiles
 give bytes per example and the fixed part, hence the largest batch under a budget (no OOM
-probing). Time: median grad step, RevNet over its ResNet in the same run.
+probing). Time: the RevNet's and the ResNet's grad steps (and the ResNet's again, the noise) in
+shuffled rounds; the ratio is the median over rounds of the two times in the same round.
 
 The evidence for where a RevNet's bytes go: ``rn.memory_report`` residuals grouped by top-level
 module, and XLA's temp bytes of the same RevNet with its reversible stacks removed (one unit per
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -30,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
-from benchmarks._common import Result, Target, median_seconds  # noqa: E402
+from benchmarks._common import Paired, Result, Target, paired, verdict  # noqa: E402
 from models import revnet as R  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
@@ -69,15 +71,19 @@ def _measure(name: str, quick: bool, batch: int, half: int, image: int) -> dict:
     return row
 
 
-def _seconds(name: str, quick: bool, batch: int, image: int, reps: int) -> float:
-    """Median grad-step time at ``batch`` (one warm-up)."""
-    model = wl.classifier(name, batch=batch, image_size=image, module=_module(name, quick))
-    compiled, _ = wl.compile_step(model.grad_step, *model.args)
-    return median_seconds(lambda: compiled(*model.args), warmup=1, reps=reps)
+def _step_times(names: tuple[str, str], quick: bool, batch: int, image: int, rounds: int) -> Paired:
+    """Grad steps of ``names`` (a ResNet first: the noise is it against itself), paired."""
+    fns = {}
+    for name in names:
+        model = wl.classifier(name, batch=batch, image_size=image, module=_module(name, quick))
+        compiled, _ = wl.compile_step(model.grad_step, *model.args)
+        fns[name] = functools.partial(compiled, *model.args)
+    return paired(fns, itself=names[0], rounds=rounds)
 
 
-def _conv_in_scan(batch: int) -> dict[str, float]:
-    """Grad time of 3 stacked 3x3 convolutions (16 channels, 32x32): unrolled vs in lax.scan."""
+def _conv_in_scan(batch: int, rounds: int) -> Paired:
+    """Grad time of 3 stacked 3x3 convolutions (16 channels, 32x32): unrolled, in lax.scan, and
+    in ``lax.scan(..., unroll=True)``."""
     x = jnp.ones((batch, 32, 32, 16))
     kernels = jnp.full((3, 3, 3, 16, 16), 0.01)
 
@@ -90,14 +96,17 @@ def _conv_in_scan(batch: int) -> dict[str, float]:
             x = jnp.tanh(conv(x, ks[i]))
         return jnp.sum(x)
 
-    def scanned(ks, x):
-        return jnp.sum(jax.lax.scan(lambda h, k: (jnp.tanh(conv(h, k)), None), x, ks)[0])
+    def scanned(ks, x, unroll=False):
+        body = lambda h, k: (jnp.tanh(conv(h, k)), None)  # noqa: E731
+        return jnp.sum(jax.lax.scan(body, x, ks, unroll=unroll)[0])
 
-    out = {}
-    for label, f in (("unrolled", unrolled), ("lax.scan", scanned)):
-        step = jax.jit(jax.grad(f))
-        out[label] = median_seconds(lambda s=step: s(kernels, x), warmup=1, reps=3)
-    return out
+    variants = {
+        "unrolled": unrolled,
+        "lax.scan": scanned,
+        "lax.scan unroll=True": functools.partial(scanned, unroll=True),
+    }
+    fns = {k: functools.partial(jax.jit(jax.grad(f)), kernels, x) for k, f in variants.items()}
+    return paired(fns, itself="unrolled", rounds=rounds, min_seconds=0.05)
 
 
 def _by_module(name: str, quick: bool, batch: int, image: int) -> dict[str, int]:
@@ -165,12 +174,19 @@ def run(quick: bool = False) -> Result:
     # Step time: only the smallest pair, at a small batch. XLA:CPU runs convolutions inside a
     # while loop (the reversible stacks' scans) far slower than unrolled ones (jax#12868):
     # RevNet-38 took 187 s per step at batch 128 here, ResNet-32 2.2 s.
-    time_batch, reps = (8, 2) if quick else (8, 1)
+    time_batch, rounds = (8, 1) if quick else (8, 5)
     t_rev, t_res = pairs[0]
-    secs = {n: _seconds(n, quick, time_batch, image, reps) for n in (t_res, t_rev)}
+    steps = _step_times((t_res, t_rev), quick, time_batch, image, rounds)
     conv_batch = 8 if quick else 32
-    conv = _conv_in_scan(conv_batch)
-    print(f"step times {secs}; conv grad {conv}", flush=True)
+    conv = _conv_in_scan(conv_batch, 1 if quick else 9)
+    step_ratio = steps.ratio(t_rev, t_res)
+    scan_ratio = conv.ratio("lax.scan", "unrolled")
+    unroll_ratio = conv.ratio("lax.scan unroll=True", "unrolled")
+    print(
+        f"{t_rev} / {t_res} {step_ratio:.2f}x; conv grad in lax.scan {scan_ratio:.2f}x, "
+        f"unroll=True {unroll_ratio:.2f}x",
+        flush=True,
+    )
 
     # --- evidence: where the largest RevNet's bytes go ---
     rev, res = pairs[-1]
@@ -210,22 +226,27 @@ def run(quick: bool = False) -> Result:
             )
     lines += [
         "",
-        f"## Step time (batch {time_batch}, {image}x{image}x3; median of {reps} after a warm-up)",
+        f"## Step time (batch {time_batch}, {image}x{image}x3; {steps.rounds} shuffled rounds, "
+        f"{t_res} also timed against itself)",
         "",
-        "| model | grad step |",
-        "|---|--:|",
-        *(f"| {n} | {secs[n]:.3f} s |" for n in secs),
+        "| model | grad step (median over rounds) | vs " + t_res + " (paired) |",
+        "|---|--:|--:|",
+        *(
+            f"| {n} | {steps.seconds(n):.3f} s | {steps.ratio(n, t_res):.2f}x |"
+            for n in (t_res, t_rev)
+        ),
         "",
-        f"{t_rev} / {t_res} = **{secs[t_rev] / secs[t_res]:.1f}x** (anchors: MemCNN 1.16-1.47x; "
-        "FLOPs 4/3 of a stored-activation backward). The excess is XLA:CPU, not reconstruction: "
-        "convolutions inside a while loop (the `lax.scan` of each reversible stack) run far "
-        "slower than the same convolutions unrolled (jax-ml/jax#12868, open). Gradient of three "
-        f"stacked 3x3 convolutions (batch {conv_batch}, 32x32x16): unrolled "
-        f"{conv['unrolled']:.3f} s, in `lax.scan` {conv['lax.scan']:.3f} s "
-        f"(**{conv['lax.scan'] / conv['unrolled']:.0f}x**); `lax.scan(..., unroll=True)` "
-        "restored the unrolled speed in a separate check. RevNet-38 took 187 s per step at "
-        "batch 128 against ResNet-32's 2.2 s in a first run here, so the deeper pairs are not "
-        "timed on CPU. Fix proposed (not made): an `unroll` option on `rn.reversible_scan` / "
+        f"{t_rev} / {t_res} = **{step_ratio:.1f}x** (noise {steps.noise_text()}; anchors: "
+        "MemCNN 1.16-1.47x; FLOPs 4/3 of a stored-activation backward). The excess is XLA:CPU, "
+        "not reconstruction: convolutions inside a while loop (the `lax.scan` of each "
+        "reversible stack) run far slower than the same convolutions unrolled "
+        "(jax-ml/jax#12868, open). Gradient of three stacked 3x3 convolutions (batch "
+        f"{conv_batch}, 32x32x16; {conv.rounds} shuffled rounds, noise {conv.noise_text()}): "
+        f"unrolled {conv.seconds('unrolled'):.4f} s, in `lax.scan` "
+        f"{conv.seconds('lax.scan'):.4f} s (**{scan_ratio:.1f}x**), in `lax.scan(..., "
+        f"unroll=True)` {conv.seconds('lax.scan unroll=True'):.4f} s ({unroll_ratio:.2f}x). "
+        "Larger batches and the deeper pairs are not timed on CPU for that reason. Fix "
+        "proposed (not made): an `unroll` option on `rn.reversible_scan` / "
         "`nn.ReversibleSequence`, passed to the `lax.scan` calls of `_forward_layers` and "
         "`_backward_layers` in remat_nn/_reversible.py.",
     ]
@@ -309,14 +330,23 @@ def run(quick: bool = False) -> Result:
     ax2.tick_params(axis="x", labelrotation=30)
     fig.tight_layout()
 
-    targets = []
+    targets = [
+        Target(
+            f"{t_rev} grad step <= 1.47x {t_res}'s (MemCNN's upper anchor)",
+            verdict(step_ratio, 1.47, steps.noise, at_most=True),
+            f"{step_ratio:.2f}x at batch {time_batch} (convolutions in `lax.scan` "
+            f"{scan_ratio:.1f}x unrolled on XLA:CPU)",
+            steps.noise_text(),
+        ),
+    ]
     if not quick:
-        targets.append(
+        targets.insert(
+            0,
             Target(
                 f"{rev} grad-step temp <= 1/8 of {res}'s",
                 ratio >= 8,
                 f"{format_bytes(rows[rev]['temp'])} vs {format_bytes(rows[res]['temp'])}: "
                 f"1/{ratio:.2f}",
-            )  # fmt: skip
+            ),  # fmt: skip
         )
     return Result("revnet", "\n".join(lines), {"revnet_memory.png": fig}, targets)

@@ -4,8 +4,10 @@ Every preset of ``models.transformer.REMAT_PRESETS`` (``none`` is no remat) on t
 transformer (one ``nn.scan`` over layers, the plan applied to the scan body, where XLA:CPU keeps
 remat as on accelerators). Memory: XLA's temp bytes of ``jax.jit(jax.grad(loss))`` and the
 residuals reverse-mode saves, grouped by activation name (``rn.memory_report``). FLOPs: counted
-from the jaxpr (``rn.count_flops``; XLA's ``cost_analysis`` counts a scan body once). Time:
-median grad step, relative to ``none`` in the same run.
+from the jaxpr (``rn.count_flops``; XLA's ``cost_analysis`` counts a scan body once). Time: every
+preset's grad step, ``none`` a second time (the noise) and the dense matmul the efficiency
+benchmark compares against run in the same shuffled rounds; a ratio is the median over rounds of
+two times from the same round.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
-from benchmarks._common import Result, median_seconds  # noqa: E402
+from benchmarks._common import Paired, Result, Target, paired, rounds_text, verdict  # noqa: E402
 from models.transformer import REMAT_PRESETS  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
@@ -28,10 +30,18 @@ OFFLOAD_PRESETS = [p for p, plan in REMAT_PRESETS.items() if plan is not None an
 QUICK_PRESETS = ("none", "full", "minimal", "minimal_offloaded")
 
 
+#: The key of the dense float32 matmul timed in the presets' rounds (efficiency's reference).
+MATMUL = "matmul"
+
+
+def matmul_size(quick: bool) -> int:
+    return 256 if quick else 2048
+
+
 @functools.cache
-def measure(config: wl.LMConfig, reps: int, presets: tuple[str, ...]) -> dict[str, dict]:
-    """preset -> temp, peak, residuals by name, FLOPs, median seconds (cached per process, so
-    the planner benchmark reuses the memory figures when both run together)."""
+def measure(config: wl.LMConfig, presets: tuple[str, ...]) -> dict[str, dict]:
+    """preset -> temp, peak, residuals by name, FLOPs (cached per process, so the planner
+    benchmark reuses the memory figures when both run together)."""
     model = wl.lm(config)
     rows = {}
     for preset in presets:
@@ -41,18 +51,31 @@ def measure(config: wl.LMConfig, reps: int, presets: tuple[str, ...]) -> dict[st
             functools.partial(model.loss, policy=preset), model.params, model.tokens
         )
         rows[preset] = {
+            "compiled": compiled,
             "temp": mem.temp_size_in_bytes,
             "peak": mem.peak_bytes,
             "report": report,
             "flops": rn.count_flops(step, model.params, model.tokens),
             "matmul_flops": rn.matmul_flops(step, model.params, model.tokens),
-            "seconds": median_seconds(
-                lambda c=compiled: c(model.params, model.tokens), warmup=1, reps=reps
-            ),
         }
-        print(f"{preset}: temp {format_bytes(mem.temp_size_in_bytes)}, "
-              f"{rows[preset]['seconds']:.3f} s/step", flush=True)  # fmt: skip
+        print(f"{preset}: temp {format_bytes(mem.temp_size_in_bytes)}", flush=True)
     return rows
+
+
+@functools.cache
+def timed(config: wl.LMConfig, presets: tuple[str, ...], rounds: int, matmul: int) -> Paired:
+    """Every preset's grad step, ``none`` again and a dense ``matmul`` x ``matmul`` float32
+    matmul in ``rounds`` shuffled rounds (cached: the efficiency and planner benchmarks use the
+    same measurement when they run in the same process)."""
+    model = wl.lm(config)
+    rows = measure(config, presets)
+    fns = {p: functools.partial(r["compiled"], model.params, model.tokens) for p, r in rows.items()}
+    fns[MATMUL] = wl.matmul_fn(matmul)
+    # Quick sizes take a millisecond a step: repeat within a slot so timer resolution is no noise.
+    quick = matmul < 1024
+    times = paired(fns, itself="none", rounds=rounds, min_seconds=0.01 if quick else 0.0)
+    print(", ".join(f"{k} {times.seconds(k):.3f} s" for k in times.samples), flush=True)
+    return times
 
 
 def _named(report: rn.MemoryReport) -> str:
@@ -65,17 +88,26 @@ def _named(report: rn.MemoryReport) -> str:
     return text or "-"
 
 
+def rounds(quick: bool) -> int:
+    return 1 if quick else 9
+
+
 def run(quick: bool = False) -> Result:
     config = wl.LM_QUICK if quick else wl.LM_FULL
-    reps = 2 if quick else 5
-    rows = measure(config, reps, QUICK_PRESETS if quick else tuple(REMAT_PRESETS))
+    presets = QUICK_PRESETS if quick else tuple(REMAT_PRESETS)
+    rows = measure(config, presets)
+    times = timed(config, presets, rounds(quick), matmul_size(quick))
     base = rows["none"]
+    noise = times.noise
     lines = [
         f"Scanned transformer ({config}). Grad step `jax.jit(jax.grad(loss))`: XLA temp "
         f"bytes; residuals saved for the backward (`rn.memory_report`: total, and the named "
         f"ones by name; every array of a scanned layer counts once per layer); FLOPs of the "
-        f"step counted from the jaxpr (scan bodies times their length); median of {reps} steps "
-        "after one warm-up.",
+        f"step counted from the jaxpr (scan bodies times their length). Time: "
+        f"{rounds_text(times.rounds)}, each running every preset's step, `none` a second time "
+        "and a dense matmul in a fresh random order; step time is the median over rounds, "
+        "time vs none the median over rounds of the ratio within a round. Noise: "
+        f"{times.noise_text()}.",
         "",
         "| preset | XLA temp | XLA peak | residuals | named residuals (all layers) | GFLOPs "
         "| matmul GFLOPs | FLOPs vs none | step time | time vs none |",
@@ -86,8 +118,8 @@ def run(quick: bool = False) -> Result:
             f"| {preset} | {format_bytes(r['temp'])} | {format_bytes(r['peak'])} | "
             f"{format_bytes(r['report'].total_bytes)} | {_named(r['report'])} | "
             f"{r['flops'] / 1e9:.2f} | {r['matmul_flops'] / 1e9:.2f} | "
-            f"{r['flops'] / base['flops']:.3f}x | {r['seconds']:.3f} s | "
-            f"{r['seconds'] / base['seconds']:.2f}x |"
+            f"{r['flops'] / base['flops']:.3f}x | {times.seconds(preset):.3f} s | "
+            f"{times.ratio(preset, 'none'):.3f}x |"
         )
     pairs = []
     for p in [p for p in OFFLOAD_PRESETS if p in rows]:
@@ -110,11 +142,34 @@ def run(quick: bool = False) -> Result:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for preset, r in rows.items():
         marker = "s" if preset in OFFLOAD_PRESETS else "o"
-        ax.scatter(r["seconds"], r["temp"] / 2**20, marker=marker)
-        ax.annotate(preset, (r["seconds"], r["temp"] / 2**20), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")  # fmt: skip
-    ax.set_xlabel("median grad-step time (s)")
+        ratio = times.ratio(preset, "none")
+        ax.scatter(ratio, r["temp"] / 2**20, marker=marker)
+        ax.annotate(
+            preset,
+            (ratio, r["temp"] / 2**20),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
+    ax.axvspan(1 - noise, 1 + noise, color="tab:gray", alpha=0.2, label="none vs itself (noise)")
+    ax.legend(fontsize=7)
+    ax.set_xlabel("grad-step time / none's (paired, median over rounds)")
     ax.set_ylabel("XLA temp bytes of the grad step (MiB)")
     ax.set_title(f"Remat presets: memory vs time ({config})", fontsize=7)
     ax.grid(True, alpha=0.3)
-    return Result("transformer", "\n".join(lines), {"transformer_presets.png": fig})
+    full = times.ratio("full", "none")
+    mem = rows["full"]["temp"] / base["temp"]
+    targets = [
+        Target(
+            "`full` remat temp <= 1/2 of no remat's",
+            mem <= 0.5,
+            f"{format_bytes(rows['full']['temp'])} / {format_bytes(base['temp'])} = {mem:.3f}",
+        ),
+        Target(
+            "`full` remat step time <= 1.33x no remat's (jax.checkpoint: 1.0-1.33x FLOPs)",
+            verdict(full, 4 / 3, noise, at_most=True),
+            f"{full:.3f}x",
+            times.noise_text(),
+        ),
+    ]
+    return Result("transformer", "\n".join(lines), {"transformer_presets.png": fig}, targets)
