@@ -182,8 +182,8 @@ TARGET_HEAD = "| target | verdict | measured | noise |"
 def targets_of(md: Path) -> list[list[str]]:
     """The rows of a result file's targets table: [claim, verdict, measured, noise] each."""
     lines = md.read_text().splitlines()
-    if TARGETS not in lines:
-        return []
+    if TARGETS not in lines or lines[lines.index(TARGETS) + 2] != TARGET_HEAD:
+        return []  # no targets, or a file written before verdicts had their noise
     rows = []
     for line in lines[lines.index(TARGETS) + 4 :]:
         if not line.startswith("| "):
