@@ -46,6 +46,9 @@ from remat_nn.invertible import (
     register_inverse,
 )
 
+# --- comparing gradients -------------------------------------------------------------------------
+from remat_nn._compare import relative_error
+
 # --- reversible: couplings and drift checks -------------------------------------------------------
 from remat_nn._reversible import (
     ReversibleBlock,
@@ -93,6 +96,8 @@ __all__ = [
     "inversion_report",
     "invertible",
     "register_inverse",
+    # comparing gradients
+    "relative_error",
     # reversible
     "ReversibleBlock",
     "additive_combine",

@@ -31,6 +31,7 @@ import pytest
 import models
 from models import revnet as rv
 from remat_nn._jax_internals import sub_jaxprs
+from tests.gradients import rel_err
 from train import loop
 from train.config import load_config
 from train.dtypes import matmul_operand_dtypes
@@ -67,15 +68,8 @@ def run(fn: Any, *args: Any) -> Any:
 
 
 def max_rel_err(got: Any, want: Any) -> float:
-    """max over leaves of ``max|got - want| / max|want|``, each leaf's scale floored at 1% of the
-    largest leaf's."""
-    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
-    errs = jax.tree.map(
-        lambda g, w: float(jnp.max(jnp.abs(g - w))) / max(float(jnp.max(jnp.abs(w))), scale / 100),
-        got,
-        want,
-    )
-    return max(jax.tree.leaves(errs))
+    """:func:`tests.gradients.rel_err`, each leaf's scale floored at 1% of the largest leaf's."""
+    return rel_err(got, want, floor=1e-2)
 
 
 def batch_for(name: str, opts: dict[str, Any]) -> dict[str, jax.Array]:
