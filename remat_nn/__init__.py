@@ -19,6 +19,7 @@ from remat_nn.errors import NotInvertibleError, PlanError, PolicyError, RematNNE
 from remat_nn._plan import Plan, plan
 from remat_nn._policies import ALIASES, POLICIES, policy
 from remat_nn._checkpoint import checkpoint
+from remat_nn._remat_scan import remat_scan, remat_scan_lengths
 
 # --- memory inspection ----------------------------------------------------------------------------
 from remat_nn._memory import (
@@ -76,6 +77,8 @@ __all__ = [
     "memory_report",
     "plan",
     "policy",
+    "remat_scan",
+    "remat_scan_lengths",
     "PlanReport",
     "count_flops",
     "matmul_flops",

@@ -5,6 +5,7 @@
 
 # --- remat transform (nn.checkpoint is nn.remat, as in flax.linen) --------------------------------
 from remat_nn.nn._remat import checkpoint, remat
+from remat_nn.nn._remat_scan import remat_scan
 
 # --- reversible couplings and sequences -----------------------------------------------------------
 from remat_nn.nn._coupling import (
@@ -23,6 +24,7 @@ __all__: list[str] = [
     "RematBlock",
     "checkpoint",
     "remat",
+    "remat_scan",
     # reversible
     "AdditiveCoupling",
     "AffineCoupling",
