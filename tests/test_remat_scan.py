@@ -83,6 +83,11 @@ def test_carry_policy_both_ways(carry_policy):
     check_against_lax({"levels": levels, "carry_policy": carry_policy}, 29)
 
 
+@pytest.mark.parametrize("unroll", [2, True])
+def test_unroll_passed_through(unroll):
+    check_against_lax({"lengths": (3, 4), "unroll": unroll}, 11, reverse=True)
+
+
 def test_random_lengths_seeded():
     rng = random.Random(16)
     for _ in range(6):
