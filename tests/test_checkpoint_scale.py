@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.ports import held_port
 from train import checkpoint as ckpt_lib
 from train import integrity
 from train.checkpoint import Checkpointer, CheckpointError, rematerialize
@@ -235,6 +235,73 @@ def test_whole_leaf_crc32_of_older_manifests_still_verifies_a_sharded_leaf(tmp_p
 # --- config hash ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "metric, values",
+    [
+        ("eval_accuracy", [0.5, 0.9, 0.6, 0.7, 0.8, 0.4]),
+        ("eval_loss", [0.5, 0.1, 0.6, 0.7, 0.3, 0.4]),
+    ],
+)
+def test_keep_best_retains_the_best_step_beside_the_latest(tmp_path, metric, values):
+    # Step 2 is the best (highest accuracy / lowest loss); the last 2 are 5 and 6.
+    state = make_state()
+    cfg = Checkpoint(every=1, keep=2, keep_best=1, best_metric=metric)
+    ck = Checkpointer(tmp_path, cfg, warn=[].append)
+    for step, value in enumerate(values, start=1):
+        assert ck.save(step, state, data_position=step, metrics={metric: value})
+        ck.wait()
+    ck.close()
+    assert sorted(int(n) for n in os.listdir(tmp_path)) == [2, 5, 6]
+
+
+def _save_steps(directory: Path, steps: list[int]) -> TrainState:
+    state = make_state()
+    ck = checkpointer(directory)
+    for step in steps:
+        assert ck.save(step, state, data_position=step)
+        ck.wait()
+    ck.close()
+    return state
+
+
+def test_step_without_manifest_falls_back_to_the_newest_valid_one_and_says_so(tmp_path):
+    # A step orbax finished but whose manifest is missing (killed before it was written, or lost)
+    # cannot be verified: set aside, naming why, and the newest step that verifies is restored.
+    state = _save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "3" / integrity.MANIFEST).unlink()
+    warnings: list[str] = []
+    restored, meta, step = checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state))
+    assert step == 2 and meta["data_position"] == 2
+    assert_equal(host(restored), host(state))
+    (warning,) = warnings
+    assert "step 3: no-manifest: no manifest.json" in warning, warning
+    assert "moved to 3.corrupt-no-manifest" in warning, warning
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3.corrupt-no-manifest"]
+
+
+def test_only_steps_without_manifest_start_at_0_saying_so_and_keep_them(tmp_path):
+    # No step was ever verified (a kill during the first save, after orbax's rename): nothing
+    # to resume. The run starts at step 0 with a warning; the step is set aside, not deleted.
+    state = _save_steps(tmp_path, [1])
+    (tmp_path / "1" / integrity.MANIFEST).unlink()
+    warnings: list[str] = []
+    assert checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state)) is None
+    assert "no finished checkpoint; starting at step 0" in warnings[-1], warnings
+    assert "step 1: no-manifest" in warnings[-1], warnings
+    assert sorted(os.listdir(tmp_path)) == ["1.corrupt-no-manifest"]
+
+
+def test_damaged_and_manifest_less_steps_are_all_listed_when_none_verifies(tmp_path):
+    state = _save_steps(tmp_path, [1, 2])
+    (tmp_path / "2" / integrity.MANIFEST).unlink()
+    (tmp_path / "1" / integrity.MANIFEST).write_text("{")  # unreadable JSON
+    with pytest.raises(CheckpointError) as e:
+        checkpointer(tmp_path).restore_latest(abstract(state))
+    message = str(e.value)
+    assert "  step 2: no-manifest" in message and "  step 1: bad-manifest" in message, message
+    assert "--restart" in message
+
+
 def test_step_written_with_another_config_is_refused_unless_allowed(tmp_path):
     state = make_state()
     ck = checkpointer(tmp_path, config_hash="a" * 64)
@@ -396,14 +463,16 @@ def _worker(directory: str, other: str) -> None:
     print("RESULT " + json.dumps({"step": step, "same": same, "warnings": warnings}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_check_their_own_shards_and_agree_on_the_step(tmp_path):
-    port = _free_port()
+    with held_port() as port:  # held until both processes exit (tests/ports.py)
+        results = _two_workers(tmp_path, port)
+    # Only process 1 holds rows 12:14 of w1; both set step 2 aside and restore step 1.
+    assert [r["step"] for r in results] == [1, 1] and all(r["same"] for r in results)
+    assert "shard [12:14,0:64] does not match" in results[1]["warnings"][0]
+    assert "checksum: found by process 1" in results[0]["warnings"][0]
+
+
+def _two_workers(tmp_path, port: int) -> list[dict]:
     code = (
         f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; import jax; "
         "jax.config.update('jax_cpu_collectives_implementation', 'gloo'); "
@@ -434,10 +503,7 @@ def test_two_processes_check_their_own_shards_and_agree_on_the_step(tmp_path):
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
         results.append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
-    # Only process 1 holds rows 12:14 of w1; both set step 2 aside and restore step 1.
-    assert [r["step"] for r in results] == [1, 1] and all(r["same"] for r in results)
-    assert "shard [12:14,0:64] does not match" in results[1]["warnings"][0]
-    assert "checksum: found by process 1" in results[0]["warnings"][0]
+    return results
     run = tmp_path / "run"
     assert sorted(os.listdir(run)) == ["1", "2.corrupt-checksum"]
     part = json.loads((run / "1" / integrity.MANIFEST_PART.format(1)).read_text())

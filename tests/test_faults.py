@@ -9,8 +9,10 @@ The slow multi-kill test runs only with ``REMAT_NN_SLOW_TESTS=1``.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -209,6 +211,43 @@ def test_signal_checkpoints_at_that_step_exits_128_plus_n_and_resumes_bitwise(
     assert_bitwise_equal(saved(tmp_path / "run", 8), saved(reference, 8))
 
 
+# --- a finished run, --restart ------------------------------------------------------------------
+
+
+def test_rerunning_a_finished_run_exits_0_and_changes_nothing(tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    code, out = train(run_dir)
+    assert code == 0, out
+    assert f"run already complete: step 8/8 in {run_dir}; nothing to do" in out, out
+    assert "optim.schedule_steps=8" in out and "--restart" in out, out  # how to go further
+    assert "(step 8)" in out and not re.search(r"^step +\d+/8 \|", out, re.M), out  # no step
+    assert steps(run_dir) == ["4", "6", "8"] and (run_dir / "metrics.jsonl").read_text() == metrics
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+def test_restart_trains_from_step_0_replacing_checkpoints_and_metrics(tmp_path, reference):
+    # A config the checkpoints do not fit is refused on resume; --restart starts over with it.
+    run_dir = copy_of(reference, tmp_path)
+    assert train(run_dir, "model.options.width=32")[0] == 4
+    code, out = train(run_dir, "model.options.width=32", "--restart")
+    assert code == 0, out
+    assert "resumed from" not in out and "step      1/8" in out, out
+    assert steps(run_dir) == ["4", "6", "8"]
+    assert saved(run_dir, 8)["['params']['Dense_0']['kernel']"].shape == (64, 32)
+    train_steps = [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["split"] == "train"
+    ]
+    assert train_steps == list(range(1, 9))  # the old run's metrics are gone, not appended to
+
+    # The same config again: from step 0, the same bytes as the uninterrupted run.
+    code, out = train(copy_of(reference, tmp_path / "again"), "--restart")
+    assert code == 0 and "resumed from" not in out, out
+    assert_bitwise_equal(saved(tmp_path / "again" / "run", 8), saved(reference, 8))
+
+
 # --- damaged checkpoints --------------------------------------------------------------------------
 
 
@@ -234,16 +273,46 @@ def delete_metadata(step_dir: Path) -> None:
     (step_dir / "state" / "_METADATA").unlink()
 
 
-@pytest.mark.parametrize("damage", [flip_byte, truncate, delete_metadata], ids=lambda f: f.__name__)
-def test_damaged_newest_step_falls_back_and_names_the_damage(damage, tmp_path, reference):
+# The largest data file holds a Dense_0 kernel (of the params or of an optimizer trace).
+KERNEL = r"leaf \[[^;]*\['Dense_0'\]\['kernel'\]"
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (flip_byte, rf"checksum: {KERNEL} does not match its manifest \(crc32 0x[0-9a-f]{{8}}, "
+                    r"manifest 0x[0-9a-f]{8}\)|unreadable: " + KERNEL),
+        (truncate, rf"unreadable: {KERNEL}: "),
+        (delete_metadata, r"unreadable: state/_METADATA is missing"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)  # fmt: skip
+def test_damaged_newest_step_falls_back_naming_the_reason_and_leaf(
+    damage, reason, tmp_path, reference
+):
     run_dir = copy_of(reference, tmp_path)
     damage(run_dir / "checkpoints" / "8")
     code, out = train(run_dir, "train.steps=8")
     assert code == 0, out
-    assert "WARNING: checkpoint rejected" in out and "step 8:" in out, out
+    (line,) = [line for line in out.splitlines() if line.startswith("  step 8: ")]
+    assert re.match(rf"  step 8: (?:{reason})", line), line
+    kind = line.split(": ")[1]  # checksum / unreadable
+    assert line.endswith(f"; moved to 8.corrupt-{kind}") and f"8.corrupt-{kind}" in steps(run_dir)
     assert "(step 6)" in out, out
-    assert any(n.startswith("8.corrupt-") for n in steps(run_dir))
     assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))  # 8 retrained
+
+
+def test_step_without_manifest_falls_back_to_the_newest_valid_one(tmp_path, reference):
+    # The README's promise: a step whose manifest is missing is set aside, saying why, and the
+    # run resumes from the newest step that verifies (not from step 0).
+    run_dir = copy_of(reference, tmp_path)
+    (run_dir / "checkpoints" / "8" / integrity.MANIFEST).unlink()
+    code, out = train(run_dir)
+    assert code == 0, out
+    assert "  step 8: no-manifest: no manifest.json" in out, out
+    assert "moved to 8.corrupt-no-manifest" in out and "(step 6)" in out, out
+    assert "starting at step 0" not in out, out
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
 
 
 def test_every_step_damaged_exits_nonzero_listing_each(tmp_path, reference):

@@ -12,9 +12,13 @@ restores onto 1 and back.
 Integrity (:mod:`train.integrity`): each step gets a manifest once orbax has renamed it into
 place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches the
 restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
-leaf, and refuses (listing every rejected step) when none verifies. A checkpoint whose leaf
-paths, shapes or dtypes differ from the config's state is refused before restoring, and so is
-one written with another config (its manifest's ``config_hash``) unless that is allowed.
+leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
+(a save killed after orbax's rename, or a lost manifest) cannot be verified: it is set aside like
+a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored; when
+no step has a manifest at all, no save ever finished and the run starts at step 0, with a
+warning listing what was set aside. A checkpoint whose leaf paths, shapes or dtypes differ from
+the config's state is refused before restoring, and so is one written with another config (its
+manifest's ``config_hash``) unless that is allowed.
 
 What a save costs the train step: :meth:`Checkpointer.save` checks the state for NaN/Inf on
 the devices (one small transfer), starts device-to-host copies of the shards it checksums and
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -361,6 +366,7 @@ class Checkpointer:
         }
         rejected: list[str] = []
         unfinished: list[str] = []  # no manifest: killed after orbax's rename, before the manifest
+        aside: list[str] = []  # both, newest first
         for step in sorted(self.all_steps(), reverse=True):
             # 1. Its manifest: complete, readable, fits the state, written with this config.
             code, text, manifest = self._check_manifest(
@@ -374,7 +380,8 @@ class Checkpointer:
                     text = f"checkpoint step {step} in {self.directory} is refused ({text})"
                 raise CheckpointError(text)
             if code != _OK:
-                (unfinished if code == _UNFINISHED else rejected).append(self._reject(step, text))
+                aside.append(self._reject(step, text))
+                (unfinished if code == _UNFINISHED else rejected).append(aside[-1])
                 continue
             # 2. Its bytes, restored in the saved dtypes and checked leaf by leaf.
             faults.kill_if("during_restore", step)
@@ -384,13 +391,13 @@ class Checkpointer:
             except _Damaged as e:
                 code, text = _CHECKSUM, str(e)
             except Exception as e:  # orbax could not read it: truncated or missing files
-                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-                code, text = _UNREADABLE, f"unreadable: {type(e).__name__}: {first}"
+                code, text = _UNREADABLE, _unreadable(self.directory / str(step), e, tree)
             code, text = _agree(code, text)
             if restored is None or code != _OK:
                 if restored is not None:
                     _delete(restored[0])
-                rejected.append(self._reject(step, text))
+                aside.append(self._reject(step, text))
+                rejected.append(aside[-1])
                 continue
             if rejected or unfinished:
                 self._set_aside_done()
@@ -412,7 +419,7 @@ class Checkpointer:
             self._set_aside_done()
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; every step was rejected (and moved "
-                "aside):\n" + "\n".join(rejected) + "\nNothing was restored and training did not "
+                "aside):\n" + "\n".join(aside) + "\nNothing was restored and training did not "
                 "start. Fix: restore the directory from a backup, or --restart to start at step 0."
             )
         if unfinished:
@@ -530,6 +537,25 @@ class Checkpointer:
         except Exception:
             if not self._failed:
                 raise
+
+
+def _unreadable(step_dir: Path, error: Exception, tree: dict[str, Any]) -> str:
+    # Why orbax could not read a step, naming the leaf when TensorStore's error gives its
+    # kvstore path ('path': 'params.Dense_0.kernel/') and the file when orbax's tree metadata
+    # is gone (orbax then reports only a pytree structure error).
+    if not (step_dir / "state" / "_METADATA").exists():
+        return "unreadable: state/_METADATA is missing (orbax's tree metadata)"
+    message = str(error)
+    first = message.strip().splitlines()[0][:300] if message.strip() else ""
+    dotted = {_orbax_key(path): path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    named = [p for p in re.findall(r"'path': '([^'/][^']*?)/?'", message) if p in dotted]
+    leaf = f"leaf {jax.tree_util.keystr(dotted[named[-1]])}: " if named else ""
+    return f"unreadable: {leaf}{type(error).__name__}: {first}"
+
+
+def _orbax_key(path: tuple[Any, ...]) -> str:
+    # The name orbax stores a leaf under: ['opt_state'][0][0].trace -> opt_state.0.0.trace
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 class _Damaged(ValueError):
