@@ -18,6 +18,7 @@ from models import revnet as rv
 from models import summary
 from models import transformer as tr
 from remat_nn import nn
+from tests.gradients import rel_err
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -27,18 +28,9 @@ def n_params(tree) -> int:
 
 
 def max_rel_err(a, b) -> float:
-    """max |a - b| / max |b| over every leaf pair, relative to each leaf's scale.
-
-    A leaf whose exact gradient is zero (the key bias: softmax ignores it) holds only round-off;
-    its scale is floored at 1% of the largest leaf so that noise does not count as error.
-    """
-    scale = max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(b))
-    errs = jax.tree.map(
-        lambda x, y: float(jnp.max(jnp.abs(x - y))) / max(float(jnp.max(jnp.abs(y))), 1e-2 * scale),
-        a,
-        b,
-    )
-    return max(jax.tree.leaves(errs))
+    """:func:`tests.gradients.rel_err`, each leaf's scale floored at 1% of the largest leaf's: a
+    leaf whose exact gradient is zero (the key bias: softmax ignores it) holds only round-off."""
+    return rel_err(a, b, floor=1e-2)
 
 
 def random_variables(tree, seed: int = 0):
@@ -230,6 +222,63 @@ def test_reversible_transformer_grads_equal_plain_autodiff():
     both = jax.jit(lambda p: [jax.grad(lm_loss(m, tokens, train=True))(p) for m in (rev, plain)])
     got, want = both(params)
     assert max_rel_err(got, want) < 1e-4
+
+
+def _rope_by_complex_rotation(x):
+    """RoPE as RoFormer writes it (Su et al. 2021, eq. 34), independently of models.transformer:
+    channel pair (j, j + K/2) is the complex number x_j + i x_{j+K/2}, multiplied at position t
+    by exp(i t theta_j) with theta_j = 10000^(-j / (K/2)). x (B, T, H, K)."""
+    _, t, _, k = x.shape
+    half = k // 2
+    z = jax.lax.complex(x[..., :half], x[..., half:])  # (B, T, H, K/2)
+    theta = 10_000.0 ** (-jnp.arange(half) / half)  # (K/2,)
+    turn = jnp.exp(1j * jnp.arange(t)[:, None] * theta[None, :])  # (T, K/2)
+    z = z * turn[None, :, None, :].astype(z.dtype)
+    return jnp.concatenate([z.real, z.imag], axis=-1)  # (B, T, H, K)
+
+
+def test_rotary_positions_rotate_by_position_and_depend_only_on_offsets():
+    x = jax.random.normal(jax.random.key(0), (2, 6, 2, 8))  # (B, T, H, K)
+    assert rel_err(tr._rotary(x), _rope_by_complex_rotation(x)) < 1e-6
+    assert rel_err(tr._rotary(x)[:, 0], x[:, 0]) == 0.0  # position 0: no rotation
+    # The same query and key at every position: scores depend on s - t only.
+    q = jnp.broadcast_to(x[:, :1], x.shape)
+    k = jnp.broadcast_to(x[:, 1:2], x.shape)
+    scores = jnp.einsum("bthk,bshk->bhts", tr._rotary(q), tr._rotary(k))  # (B, H, T, T)
+    assert rel_err(scores[..., 1:, 1:], scores[..., :-1, :-1]) < 1e-5
+    assert rel_err(scores[..., :, 1:], scores[..., :, :-1]) > 1e-2  # ...but on the offset
+
+
+def test_rotary_attention_values_and_gradients_match_an_independent_computation():
+    attn = tr.CausalSelfAttention(n_heads=2, rotary=True)
+    x = 0.5 * jax.random.normal(jax.random.key(1), (2, 6, 16))  # (B, T, D)
+    params = attn.init(jax.random.key(2), x)["params"]
+
+    def independent(p, x):
+        def proj(name):
+            return jnp.einsum("btd,dhk->bthk", x, p[name]["kernel"]) + p[name]["bias"][None, None]
+
+        q = _rope_by_complex_rotation(proj("query"))  # (B, T, H, K)
+        k = _rope_by_complex_rotation(proj("key"))
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(q.shape[-1])
+        t = x.shape[1]
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], scores, -jnp.inf)
+        ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, axis=-1), proj("value"))
+        return jnp.einsum("bthk,hkd->btd", ctx, p["out"]["kernel"]) + p["out"]["bias"][None, None]
+
+    def loss(f):
+        return lambda p, x: jnp.sum(jnp.sin(f(p, x)))
+
+    ours = lambda p, x: attn.apply({"params": p}, x)
+    assert rel_err(ours(params, x), independent(params, x)) < 1e-5
+    got = jax.grad(loss(ours), argnums=(0, 1))(params, x)
+    want = jax.grad(loss(independent), argnums=(0, 1))(params, x)
+    # The key bias gets an exact gradient of 0 (softmax ignores a per-query constant) but the
+    # rotation makes it position-dependent: it is a real gradient here.
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    learned = tr.CausalSelfAttention(n_heads=2, rotary=False)
+    plain = jax.grad(loss(lambda p, x: learned.apply({"params": p}, x)), argnums=(0, 1))(params, x)
+    assert rel_err(plain, want) > 1e-2  # the rotation is seen by the comparison
 
 
 # --- RevNet and ResNet -----------------------------------------------------------------------

@@ -7,11 +7,10 @@ in subprocesses import this module to register the same model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 import models
+from tests.gradients import rel_err
+from tests.ports import held_port
 from train import loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
@@ -226,14 +227,35 @@ def test_donation_is_verified_and_its_absence_fails_loudly():
         state_lib.verify_donated_inputs_deleted(old)
 
 
+def states_differ(got, want) -> dict[str, float]:
+    """rel_err of each float part of two train states; the step and the rng must be equal.
+
+    Dense_0's bias gets an exact gradient of 0 (BatchNorm removes it), so it and its optimizer
+    moments hold only round-off: each leaf's scale is floored at 1% of its part's largest.
+    """
+    assert int(got.step) == int(want.step)
+    np.testing.assert_array_equal(np.asarray(got.rng), np.asarray(want.rng))
+    parts = ("params", "opt_state", "batch_stats")
+    return {
+        part: rel_err(_floats(getattr(got, part)), _floats(getattr(want, part)), floor=1e-2)
+        for part in parts
+    }
+
+
+def _floats(tree) -> list[np.ndarray]:
+    return [x for x in leaves(tree) if x.dtype.kind == "f"]
+
+
 # --- sharding -------------------------------------------------------------------------------------
 
 
-def test_fsdp_sharded_run_matches_single_device(tmp_path):
-    sharded = loop.run(
-        make_cfg(tmp_path / "s", "mesh.data=4", "mesh.fsdp=2", "mesh.fsdp_min_size=0")
+def test_fsdp_sharded_run_matches_single_device_and_its_checkpoint_restores(tmp_path):
+    fsdp, one = (
+        ("mesh.data=4", "mesh.fsdp=2", "mesh.fsdp_min_size=0"),
+        ("mesh.data=1", "mesh.fsdp=1"),
     )
-    single = loop.run(make_cfg(tmp_path / "1", "mesh.data=1", "mesh.fsdp=1"))
+    sharded = loop.run(make_cfg(tmp_path / "s", *fsdp))
+    single = loop.run(make_cfg(tmp_path / "1", *one))
     kernel = sharded.state.params["Dense_0"]["kernel"]
     assert "fsdp" in kernel.sharding.spec and len(kernel.sharding.device_set) == 8
     momentum = jax.tree.leaves(sharded.state.opt_state)
@@ -244,8 +266,27 @@ def test_fsdp_sharded_run_matches_single_device(tmp_path):
         [r["loss"] for r in metrics(tmp_path / "1")],
         rtol=1e-5,
     )
-    for a, b in zip(leaves(sharded.state.params), leaves(single.state.params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # Reductions split differently: the states agree to float32 round-off amplified by the
+    # training steps.
+    errs = states_differ(sharded.state, single.state)
+    print(f"fsdp vs one device, after 8 steps: {errs}")
+    assert max(errs.values()) < 1e-4, errs
+
+    # A checkpoint written FSDP-sharded (step 4) restores onto one device (the mesh is not
+    # resume-safe: allowed explicitly) and onto the FSDP mesh, and training continues the same.
+    loop.run(make_cfg(tmp_path / "r1", *fsdp), stop_after=4)
+    loop.run(make_cfg(tmp_path / "r8", *fsdp), stop_after=4)
+    onto_one = loop.run(make_cfg(tmp_path / "r1", *one), allow_config_change=True)
+    onto_fsdp = loop.run(make_cfg(tmp_path / "r8", *fsdp))
+    assert onto_one.resumed_from == onto_fsdp.resumed_from == 4
+    kernel = onto_one.state.params["Dense_0"]["kernel"]
+    assert kernel.sharding.device_set == {jax.devices()[0]}
+    assert "fsdp" in onto_fsdp.state.params["Dense_0"]["kernel"].sharding.spec
+    for a, b in zip(leaves(onto_fsdp.state), leaves(sharded.state), strict=True):
+        np.testing.assert_array_equal(a, b)  # same mesh: bit for bit
+    errs = states_differ(onto_one.state, single.state)
+    print(f"fsdp checkpoint resumed on one device vs one device throughout: {errs}")
+    assert max(errs.values()) < 1e-4, errs
 
 
 # --- restore onto another device count, SIGTERM ---------------------------------------------------
@@ -269,42 +310,37 @@ def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
 
     back = loop.run(make_cfg(run_dir, *steps))  # 8 devices again
     assert back.resumed_from == stopped_at and back.step == 100
-    for a, b in zip(leaves(reference.state), leaves(back.state), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    errs = states_differ(back.state, reference.state)
+    print(f"moved 8 -> 1 -> 8 devices vs 8 throughout, after 100 steps: {errs}")
+    assert max(errs.values()) < 1e-4, errs
 
 
 # --- multi-process --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6"):
-    """Two ``python -m train`` processes on localhost: [(exit code, output)] per process."""
-    if flags is None:
-        port = _free_port()
-        flags = [["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                  "--process-id", str(i)] for i in range(2)]  # fmt: skip
-    procs = [
-        cli(
-            [*cli_argv(run_dir, steps, "train.eval_every=3"), *extra, *flags[i]],
-            devices=2,
-            env=envs[i],
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    outs = []
-    deadline = time.monotonic() + 150
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    """Two ``python -m train`` processes on localhost: [(exit code, output)] per process.
+
+    Without ``flags`` they meet at a coordinator on a port held for them (tests/ports.py).
+    """
+    with contextlib.ExitStack() as stack:
+        if flags is None:
+            port = stack.enter_context(held_port())
+            flags = [
+                ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", i]
+                for i in ("0", "1")
+            ]
+        argvs = [[*cli_argv(run_dir, steps, "train.eval_every=3"), *extra, *f] for f in flags]
+        procs = [cli(a, devices=2, env=env) for a, env in zip(argvs, envs, strict=True)]
+        outs = []
+        deadline = time.monotonic() + 150  # a hang guard, not a measurement
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
     return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
 
 
@@ -396,18 +432,19 @@ def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_pat
 
 
 def test_slurm_launch_is_detected_without_a_coordinator(tmp_path):
-    # JAX's Slurm detection: coordinator = first node of the step, port from the job id.
-    while True:
-        job = random.randrange(4096)
-        with socket.socket() as s:
+    # JAX's Slurm detection: coordinator = first node of the step, port from the job id. A job
+    # id whose port is free is chosen and the port held until both processes have exited.
+    with contextlib.ExitStack() as stack:
+        for job in range(4096):
             try:
-                s.bind(("127.0.0.1", 61440 + job))
+                stack.enter_context(held_port(61440 + job))
                 break
             except OSError:
                 continue
-    envs = [{"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-             "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} for i in range(2)]  # fmt: skip
-    results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
+        envs = [{"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost",
+                 "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+                for i in range(2)]  # fmt: skip
+        results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
     for code, out in results:
         assert code == 0, out
     assert "on 2 process(es)" in results[0][1] and _steps_saved(tmp_path / "slurm") == [2]
