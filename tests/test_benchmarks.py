@@ -24,7 +24,8 @@ def _shape(claim: str) -> str:
 def _readme_rows(name: str) -> list[str]:
     """Claims of the README table rows that link benchmarks/results/<name>.md."""
     link = f"[{name}](benchmarks/results/{name}.md)"
-    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith(f"| {link}")]
+    lines = (ROOT / "README.md").read_text().splitlines()
+    rows = [ln for ln in lines if ln.startswith(f"| {link}")]
     return [row.strip().strip("|").split(" | ")[1] for row in rows]
 
 
@@ -50,7 +51,7 @@ def test_quick_benchmark_writes_results_and_the_readme_rows(name: str, tmp_path:
         assert (tmp_path / png).stat().st_size > 0, f"{name}: {png} missing or empty"
     # Every timing verdict carries its noise; the summary lists this benchmark's targets.
     targets = _common.targets_of(md)
-    for claim, met, figure, noise in targets:
+    for claim, met, _figure, noise in targets:
         assert met in ("yes", "NO", "within noise"), (claim, met)
         assert noise == "exact" or "vs itself" in noise, (claim, noise)
     summary = (tmp_path / "summary_quick.md").read_text()
