@@ -79,9 +79,11 @@ class Classifier:
     def loss(self, params: Any, batch_stats: Any, images: jax.Array, labels: jax.Array):
         """Cross-entropy with BatchNorm in training mode; returns (loss, new batch_stats)."""
         logits, updates = self.module.apply(
-            {"params": params, "batch_stats": batch_stats}, images, train=True,
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
             mutable=["batch_stats"],
-        )  # fmt: skip
+        )
         logp = jax.nn.log_softmax(logits)  # (B, classes)
         return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), updates
 
@@ -119,8 +121,9 @@ def fake_init(abstract: Any, seed: int = 0) -> Any:
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def classifier(name: str, *, batch: int, image_size: int = 32, module: Any = None,
-               materialize: bool = True) -> Classifier:  # fmt: skip
+def classifier(
+    name: str, *, batch: int, image_size: int = 32, module: Any = None, materialize: bool = True
+) -> Classifier:
     """A registry model (``resnet32``, ``revnet164``, ...) at ``batch`` x ``image_size``^2 x 3.
 
     ``materialize=False`` keeps everything abstract (memory analysis only, nothing runs).
@@ -152,9 +155,11 @@ class LMConfig:
     vocab_size: int = 256
 
     def __str__(self) -> str:
-        return (f"{self.n_layers} layers, d_model {self.d_model}, {self.n_heads} heads, "
-                f"d_ff {4 * self.d_model}, T {self.seq_len}, batch {self.batch}, vocab "
-                f"{self.vocab_size}, float32, scan over layers")  # fmt: skip
+        return (
+            f"{self.n_layers} layers, d_model {self.d_model}, {self.n_heads} heads, "
+            f"d_ff {4 * self.d_model}, T {self.seq_len}, batch {self.batch}, vocab "
+            f"{self.vocab_size}, float32, scan over layers"
+        )
 
 
 LM_FULL = LMConfig(n_layers=4, d_model=256, n_heads=4, seq_len=256, batch=8)

@@ -49,8 +49,9 @@ def init(depth: int, half: int, hidden: int, key: jax.Array) -> dict:
 
 
 def _remat_scan(policy, params, x):
-    step = rn.checkpoint(lambda h, p: (BLOCK.forward(p, None, h)[0], None), policy=policy,
-                         prevent_cse=False)  # fmt: skip
+    step = rn.checkpoint(
+        lambda h, p: (BLOCK.forward(p, None, h)[0], None), policy=policy, prevent_cse=False
+    )
     return jax.lax.scan(step, x, params)[0]
 
 
@@ -89,8 +90,10 @@ def run(quick: bool = False) -> Result:
             ratios[name].append(timed.ratio(name, "plain"))
         noise.append(timed.noise)
         rounds = timed.rounds
-        print(f"depth {depth}: " + ", ".join(f"{n} {format_bytes(t[-1])}" for n, t in temp.items()),
-              flush=True)  # fmt: skip
+        print(
+            f"depth {depth}: " + ", ".join(f"{n} {format_bytes(t[-1])}" for n, t in temp.items()),
+            flush=True,
+        )
 
     head = "| depth | " + " | ".join(VARIANTS) + " |"
     rows = [head, "|--:|" + "--:|" * len(VARIANTS)]
@@ -126,13 +129,22 @@ def run(quick: bool = False) -> Result:
     t_ratio = ratios["reversible"][-1]
     t_noise = f"±{noise[-1]:.1%} (plain vs itself, {rounds_text(rounds)})"
     targets = [
-        Target(f"reversible temp at depth {hi} within 10% of depth {lo}", rev_ratio <= 1.10,
-               f"{rev_ratio:.3f}x ({format_bytes(temp['reversible'][0])} -> "
-               f"{format_bytes(temp['reversible'][-1])})"),
-        Target(f"plain grows linearly (depth {hi}/{lo} = {hi // lo}x)",
-               plain_ratio >= 0.5 * hi / lo, f"{plain_ratio:.1f}x"),
-        Target("reversible step time at most 1.4x plain",
-               verdict(t_ratio, 1.4, noise[-1], at_most=True), f"{t_ratio:.3f}x at depth {hi}",
-               t_noise),
-    ]  # fmt: skip
+        Target(
+            f"reversible temp at depth {hi} within 10% of depth {lo}",
+            rev_ratio <= 1.10,
+            f"{rev_ratio:.3f}x ({format_bytes(temp['reversible'][0])} -> "
+            f"{format_bytes(temp['reversible'][-1])})",
+        ),
+        Target(
+            f"plain grows linearly (depth {hi}/{lo} = {hi // lo}x)",
+            plain_ratio >= 0.5 * hi / lo,
+            f"{plain_ratio:.1f}x",
+        ),
+        Target(
+            "reversible step time at most 1.4x plain",
+            verdict(t_ratio, 1.4, noise[-1], at_most=True),
+            f"{t_ratio:.3f}x at depth {hi}",
+            t_noise,
+        ),
+    ]
     return Result("depth", body, {"depth_memory.png": fig}, targets)

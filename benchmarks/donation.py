@@ -112,8 +112,11 @@ def run(quick: bool = False) -> Result:
     ]
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    parts = [("temp", "temp_size_in_bytes"), ("argument", "argument_size_in_bytes"),
-             ("output", "output_size_in_bytes")]  # fmt: skip
+    parts = [
+        ("temp", "temp_size_in_bytes"),
+        ("argument", "argument_size_in_bytes"),
+        ("output", "output_size_in_bytes"),
+    ]
     labels = list(mems)
     left = [0.0] * len(labels)
     for part, attr in parts:
@@ -122,18 +125,28 @@ def run(quick: bool = False) -> Result:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     alias = [-mems[k].alias_size_in_bytes / 2**20 for k in labels]
     ax.barh(labels, alias, left=left, color="none", edgecolor="k", hatch="//", label="- alias")
-    ax.scatter([m.peak_bytes / 2**20 for m in mems.values()], labels, color="k", zorder=3,
-               label="peak")  # fmt: skip
+    ax.scatter(
+        [m.peak_bytes / 2**20 for m in mems.values()], labels, color="k", zorder=3, label="peak"
+    )
     ax.set_xlabel("MiB")
     ax.set_title(f"Train-step memory with and without donation ({config})", fontsize=7)
     ax.legend(fontsize=7, loc="lower right")
 
     targets = [
-        Target("alias >= 99% of bytes(params + opt_state)", alias_frac >= 0.99,
-               f"{format_bytes(donated.alias_size_in_bytes)} = {alias_frac:.1%}"),
-        Target("peak lower by >= 80% of bytes(params + opt_state)", saving_frac >= 0.80,
-               f"{format_bytes(saving)} = {saving_frac:.1%}"),
-        Target("donated input buffers consumed after a step", deleted == len(leaves),
-               f"{deleted}/{len(leaves)}"),
-    ]  # fmt: skip
+        Target(
+            "alias >= 99% of bytes(params + opt_state)",
+            alias_frac >= 0.99,
+            f"{format_bytes(donated.alias_size_in_bytes)} = {alias_frac:.1%}",
+        ),
+        Target(
+            "peak lower by >= 80% of bytes(params + opt_state)",
+            saving_frac >= 0.80,
+            f"{format_bytes(saving)} = {saving_frac:.1%}",
+        ),
+        Target(
+            "donated input buffers consumed after a step",
+            deleted == len(leaves),
+            f"{deleted}/{len(leaves)}",
+        ),
+    ]
     return Result("donation", "\n".join(lines), {"donation_memory.png": fig}, targets)

@@ -35,6 +35,16 @@ from benchmarks import transformer as tb  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, verdict  # noqa: E402
 from models import revnet as R  # noqa: E402
 
+#: XLA:CPU thunk names (before the first ".") by the kind of work a profile attributes to them.
+_ELEMENTWISE = frozenset(
+    "add subtract multiply divide reduce exponential maximum select compare reduce-window "
+    "convert".split()
+)
+_DATA_MOVEMENT = frozenset(
+    "copy transpose dynamic-update-slice dynamic-slice slice concatenate pad broadcast bitcast "
+    "reverse iota scatter gather".split()
+)
+
 
 def _matmul_instructions(hlo: str) -> set[str]:
     """Names of HLO instructions that are, or fuse, a dot or a convolution."""
@@ -47,9 +57,10 @@ def _matmul_instructions(hlo: str) -> set[str]:
         elif current is not None:
             bodies[current].append(line)
     has_heavy = {
-        name for name, lines in bodies.items()
+        name
+        for name, lines in bodies.items()
         if any(re.search(r"= \S+ (dot|convolution)\(", ln) for ln in lines)
-    }  # fmt: skip
+    }
     out = set()
     for lines in bodies.values():
         for ln in lines:
@@ -99,13 +110,9 @@ def _profile(compiled: Any, args: tuple, steps: int = 3) -> dict[str, float]:
                 key = "matmul / convolution (dots and fusions containing one)"
             elif base in ("while", "call", "conditional"):
                 key = "loop control (while / call)"
-            elif "fusion" in base or base in ("add", "subtract", "multiply", "divide", "reduce",
-                                              "exponential", "maximum", "select", "compare",
-                                              "reduce-window", "convert"):  # fmt: skip
+            elif "fusion" in base or base in _ELEMENTWISE:
                 key = "elementwise / reduction fusions"
-            elif base in ("copy", "transpose", "dynamic-update-slice", "dynamic-slice", "slice",
-                          "concatenate", "pad", "broadcast", "bitcast", "reverse", "iota",
-                          "scatter", "gather"):  # fmt: skip
+            elif base in _DATA_MOVEMENT:
                 key = "copies and data movement"
             else:
                 key = f"other ({base})"
@@ -120,10 +127,17 @@ def _row(label: str, step: Any, args: tuple, times: Paired, key: str, n: int) ->
     # step FLOP/s / matmul FLOP/s in a round = flops / matmul flops x matmul time / step time.
     fraction = flops / wl.matmul_flops(n) * times.ratio(tb.MATMUL, key)
     seconds = times.seconds(key)
-    row = {"label": label, "flops": flops, "matmul_flops": rn.matmul_flops(step, *args),
-           "seconds": seconds, "rate": flops / seconds, "fraction": fraction,
-           "peak": wl.matmul_flops(n) / times.seconds(tb.MATMUL), "times": times,
-           "profile": _profile(compiled, args)}  # fmt: skip
+    row = {
+        "label": label,
+        "flops": flops,
+        "matmul_flops": rn.matmul_flops(step, *args),
+        "seconds": seconds,
+        "rate": flops / seconds,
+        "fraction": fraction,
+        "peak": wl.matmul_flops(n) / times.seconds(tb.MATMUL),
+        "times": times,
+        "profile": _profile(compiled, args),
+    }
     print(f"{label}: {flops / seconds / 1e9:.1f} GFLOP/s = {fraction:.0%}", flush=True)
     return row
 
@@ -189,8 +203,12 @@ def run(quick: bool = False) -> Result:
     lines += ["", "Where the time goes (profiled XLA thunks, exclusive time per step):", ""]
     for r in rows:
         total = sum(r["profile"].values())
-        lines += [f"**{r['label']}** (profiled total {total:.3f} s/step)", "",
-                  "| category | s / step | share |", "|---|--:|--:|"]  # fmt: skip
+        lines += [
+            f"**{r['label']}** (profiled total {total:.3f} s/step)",
+            "",
+            "| category | s / step | share |",
+            "|---|--:|--:|",
+        ]
         lines += [f"| {k} | {v:.3f} | {v / total:.0%} |" for k, v in r["profile"].items()]
         mm = next((v for k, v in r["profile"].items() if k.startswith("matmul")), 0.0)
         if mm:
@@ -220,9 +238,12 @@ def run(quick: bool = False) -> Result:
     tf = rows[0]
     noise = tf["times"].noise
     targets = [
-        Target("transformer step >= 50% of dense matmul FLOP/s",
-               verdict(tf["fraction"], 0.5, noise, at_most=False),
-               f"{tf['fraction']:.1%} ({tf['rate'] / 1e9:.1f} of {tf['peak'] / 1e9:.1f} GFLOP/s, "
-               "medians)", tf["times"].noise_text()),
-    ]  # fmt: skip
+        Target(
+            "transformer step >= 50% of dense matmul FLOP/s",
+            verdict(tf["fraction"], 0.5, noise, at_most=False),
+            f"{tf['fraction']:.1%} ({tf['rate'] / 1e9:.1f} of {tf['peak'] / 1e9:.1f} GFLOP/s, "
+            "medians)",
+            tf["times"].noise_text(),
+        ),
+    ]
     return Result("efficiency", "\n".join(lines), {"efficiency.png": fig}, targets)

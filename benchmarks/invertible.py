@@ -80,8 +80,10 @@ def run(quick: bool = False) -> Result:
     rounds = 3 if quick else 9
     eqns, med, noise = analysis_seconds(couplings, rounds)
     secs = {f: [med[f, n] for n in couplings] for f in ("error", "recompute")}
-    rows = ["| equations | analysis, fallback=error | analysis, fallback=recompute |",
-            "|--:|--:|--:|"]  # fmt: skip
+    rows = [
+        "| equations | analysis, fallback=error | analysis, fallback=recompute |",
+        "|--:|--:|--:|",
+    ]
     for e, t_err, t_rec in zip(eqns, secs["error"], secs["recompute"], strict=True):
         rows.append(f"| {e:,} | {t_err * 1e3:.1f} ms | {t_rec * 1e3:.1f} ms |")
 
@@ -124,14 +126,23 @@ def run(quick: bool = False) -> Result:
     rel_noise = abs(noise - 1)
     noise_text = f"±{rel_noise:.1%} ({eqns[-2]:,} equations vs itself, least of {rounds})"
     targets = [
-        Target(f"analysis of {eqns[i]:,} equations <= 0.3 s",
-               verdict(secs["error"][i], 0.3, rel_noise, at_most=True),
-               f"{secs['error'][i]:.3f} s (fallback=recompute {secs['recompute'][i]:.3f} s)",
-               noise_text),
-        Target("linear in equations (time ratio / size ratio of the last doubling <= 1.3)",
-               verdict(growth, 1.3, rel_noise, at_most=True), f"{growth:.2f}", noise_text),
+        Target(
+            f"analysis of {eqns[i]:,} equations <= 0.3 s",
+            verdict(secs["error"][i], 0.3, rel_noise, at_most=True),
+            f"{secs['error'][i]:.3f} s (fallback=recompute {secs['recompute'][i]:.3f} s)",
+            noise_text,
+        ),
+        Target(
+            "linear in equations (time ratio / size ratio of the last doubling <= 1.3)",
+            verdict(growth, 1.3, rel_noise, at_most=True),
+            f"{growth:.2f}",
+            noise_text,
+        ),
         Target(f"gradient rel err at depth {depth} <= 1e-5", err <= 1e-5, f"{err:.2e}"),
-        Target(f"temp flat from depth {lo} to {hi}", temp[lo] == temp[hi],
-               f"{temp[lo]:,} B -> {temp[hi]:,} B"),
-    ]  # fmt: skip
+        Target(
+            f"temp flat from depth {lo} to {hi}",
+            temp[lo] == temp[hi],
+            f"{temp[lo]:,} B -> {temp[hi]:,} B",
+        ),
+    ]
     return Result("invertible", body, {"invertible_analysis.png": fig}, targets)

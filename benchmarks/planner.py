@@ -130,8 +130,11 @@ def _run(quick: bool) -> Result:
                 "plan_seconds": plan_seconds,
             }
         )
-        print(f"budget {format_bytes(budget)}: {_plan_text(report.plan)}, temp "
-              f"{format_bytes(report.compiled_temp_bytes)}; {secs}", flush=True)  # fmt: skip
+        print(
+            f"budget {format_bytes(budget)}: {_plan_text(report.plan)}, temp "
+            f"{format_bytes(report.compiled_temp_bytes)}; {secs}",
+            flush=True,
+        )
     rows.sort(key=lambda r: r["budget"])
 
     first = rows[0]["report"]
@@ -171,8 +174,10 @@ def _run(quick: bool) -> Result:
             f"{len(rep.tried)} | {r['plan_seconds']:.0f} s |"
         )
     for budget, fitting, err in failed:
-        lines.append(f"| {format_bytes(budget)} | none: {err.split('. Fix')[0]} | - | - | "
-                     f"{', '.join(fitting) or 'none'} | - | - | - | - | - |")  # fmt: skip
+        lines.append(
+            f"| {format_bytes(budget)} | none: {err.split('. Fix')[0]} | - | - | "
+            f"{', '.join(fitting) or 'none'} | - | - | - | - | - |"
+        )
     lines += [
         "",
         f"Cost model of the planner for this model: every name recomputed "
@@ -185,12 +190,21 @@ def _run(quick: bool) -> Result:
         "| name | count | bytes if saved | temp if only it is saved | recompute GFLOPs |",
         "|---|--:|--:|--:|--:|",
     ]
-    lines += [f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | "
-              f"{format_bytes(first.floor_temp_bytes + c.alone)} | "
-              f"{c.recompute_flops / 1e9:.3f} |" for c in first.costs]  # fmt: skip
+    lines += [
+        f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | "
+        f"{format_bytes(first.floor_temp_bytes + c.alone)} | "
+        f"{c.recompute_flops / 1e9:.3f} |"
+        for c in first.costs
+    ]
     last = rows[-1]["report"]
-    lines += ["", f"The planner's report at the budget {format_bytes(last.budget_bytes)}:", "",
-              "```", str(last), "```"]  # fmt: skip
+    lines += [
+        "",
+        f"The planner's report at the budget {format_bytes(last.budget_bytes)}:",
+        "",
+        "```",
+        str(last),
+        "```",
+    ]
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for p, t in temps.items():
@@ -214,18 +228,32 @@ def _run(quick: bool) -> Result:
     overall = next((v for v in ("NO", "within noise") if v in verdicts), "yes" if timed else "NO")
     beyond = [r for r in rows if not r["fitting"]]
     targets = [
-        Target("every plan's compiled temp <= its budget", fits,
-               ", ".join(f"{format_bytes(r['report'].compiled_temp_bytes)} <= "
-                         f"{format_bytes(r['budget'])}" for r in rows)),
-        Target("plan step time <= 1.05x the fastest fitting preset", overall,
-               ", ".join(f"{r['ratio']:.3f}x ({v})" for r, v in zip(timed, verdicts, strict=True)),
-               ", ".join(f"±{r['noise']:.1%}" for r in timed)
-               + f" (plan vs itself, {rounds_text(reps)} each)"),
-        Target("a budget where no preset fits but a plan does", bool(beyond) and fits,
-               "; ".join(f"{format_bytes(r['budget'])}: {_plan_text(r['report'].plan)} at "
-                         f"{format_bytes(r['report'].compiled_temp_bytes)}, lowest preset "
-                         f"{format_bytes(lowest)}" for r in beyond)
-               or f"planner's least {format_bytes(first.min_temp_bytes)} vs lowest preset "
-                  f"{format_bytes(lowest)}"),
-    ]  # fmt: skip
+        Target(
+            "every plan's compiled temp <= its budget",
+            fits,
+            ", ".join(
+                f"{format_bytes(r['report'].compiled_temp_bytes)} <= {format_bytes(r['budget'])}"
+                for r in rows
+            ),
+        ),
+        Target(
+            "plan step time <= 1.05x the fastest fitting preset",
+            overall,
+            ", ".join(f"{r['ratio']:.3f}x ({v})" for r, v in zip(timed, verdicts, strict=True)),
+            ", ".join(f"±{r['noise']:.1%}" for r in timed)
+            + f" (plan vs itself, {rounds_text(reps)} each)",
+        ),
+        Target(
+            "a budget where no preset fits but a plan does",
+            bool(beyond) and fits,
+            "; ".join(
+                f"{format_bytes(r['budget'])}: {_plan_text(r['report'].plan)} at "
+                f"{format_bytes(r['report'].compiled_temp_bytes)}, lowest preset "
+                f"{format_bytes(lowest)}"
+                for r in beyond
+            )
+            or f"planner's least {format_bytes(first.min_temp_bytes)} vs lowest preset "
+            f"{format_bytes(lowest)}",
+        ),
+    ]
     return Result("planner", "\n".join(lines), {"planner.png": fig}, targets)

@@ -88,8 +88,9 @@ def _conv_in_scan(batch: int, rounds: int) -> Paired:
     kernels = jnp.full((3, 3, 3, 16, 16), 0.01)
 
     def conv(h, k):
-        return jax.lax.conv_general_dilated(h, k, (1, 1), "SAME",
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+        return jax.lax.conv_general_dilated(
+            h, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
 
     def unrolled(ks, x):
         for i in range(3):
@@ -111,8 +112,9 @@ def _conv_in_scan(batch: int, rounds: int) -> Paired:
 
 def _by_module(name: str, quick: bool, batch: int, image: int) -> dict[str, int]:
     """Residual bytes of the grad step grouped by the top-level module that produces them."""
-    model = wl.classifier(name, batch=batch, image_size=image, module=_module(name, quick),
-                          materialize=False)  # fmt: skip
+    model = wl.classifier(
+        name, batch=batch, image_size=image, module=_module(name, quick), materialize=False
+    )
     report = rn.memory_report(lambda *a: model.loss(*a)[0], *model.args)
     groups: dict[str, int] = collections.Counter()
     for r in report.residuals:
@@ -129,8 +131,9 @@ def _by_module(name: str, quick: bool, batch: int, image: int) -> dict[str, int]
 
 
 def _variant_temp(module, batch: int, image: int) -> int:
-    model = wl.classifier("variant", batch=batch, image_size=image, module=module,
-                          materialize=False)  # fmt: skip
+    model = wl.classifier(
+        "variant", batch=batch, image_size=image, module=module, materialize=False
+    )
     return wl.compile_step(model.grad_step, *model.args)[1].temp_size_in_bytes
 
 
@@ -193,12 +196,16 @@ def run(quick: bool = False) -> Result:
     arch = _arch(rev, quick)
     by_module = _by_module(rev, quick, batch, image)
     total_res = sum(by_module.values())
-    no_stacks = _variant_temp(R.RevNet(R.Arch((1, 1, 1), arch.widths, arch.stem, True)), batch,
-                              image)  # fmt: skip
+    no_stacks = _variant_temp(
+        R.RevNet(R.Arch((1, 1, 1), arch.widths, arch.stem, True)), batch, image
+    )
     plain = _variant_temp(R.RevNet(arch, reversible=False), batch, image)
     per_layer, per_layer_nobn = _buffers_per_layer(True), _buffers_per_layer(False)
-    print(f"{rev}: without reversible stacks {format_bytes(no_stacks)}, plain autodiff "
-          f"{format_bytes(plain)}", flush=True)  # fmt: skip
+    print(
+        f"{rev}: without reversible stacks {format_bytes(no_stacks)}, plain autodiff "
+        f"{format_bytes(plain)}",
+        flush=True,
+    )
 
     # --- tables ---
     setup = f"batch {batch}, {image}x{image}x3, float32, BatchNorm in training mode"
@@ -306,7 +313,7 @@ def run(quick: bool = False) -> Result:
             f"{rows['resnet110']['temp'] / rows['revnet110']['temp']:.1f}x)"
             if "revnet110" in rows
             else ""
-        )  # fmt: skip
+        )
         + "; for the bottleneck pair the three stored units weigh "
         "more against 54 ResNet units. Reaching 8x needs the downsampling units themselves to "
         "store less (recompute them from their inputs inside the backward, or make them "
@@ -347,6 +354,6 @@ def run(quick: bool = False) -> Result:
                 ratio >= 8,
                 f"{format_bytes(rows[rev]['temp'])} vs {format_bytes(rows[res]['temp'])}: "
                 f"1/{ratio:.2f}",
-            ),  # fmt: skip
+            ),
         )
     return Result("revnet", "\n".join(lines), {"revnet_memory.png": fig}, targets)

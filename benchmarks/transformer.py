@@ -123,12 +123,20 @@ def run(quick: bool = False) -> Result:
         )
     pairs = []
     for p in [p for p in OFFLOAD_PRESETS if p in rows]:
-        twin = next((q for q, plan in REMAT_PRESETS.items()
-                     if plan is not None and set(plan.save) == set(REMAT_PRESETS[p].offload)
-                     and not plan.offload), None)  # fmt: skip
+        twin = next(
+            (
+                q
+                for q, plan in REMAT_PRESETS.items()
+                if plan is not None
+                and set(plan.save) == set(REMAT_PRESETS[p].offload)
+                and not plan.offload
+            ),
+            None,
+        )
         if twin in rows:
-            pairs.append(f"{p} {format_bytes(rows[p]['temp'])} vs {twin} "
-                         f"{format_bytes(rows[twin]['temp'])}")  # fmt: skip
+            pairs.append(
+                f"{p} {format_bytes(rows[p]['temp'])} vs {twin} {format_bytes(rows[twin]['temp'])}"
+            )
     lines += [
         "",
         f"Offload presets ({', '.join(p for p in OFFLOAD_PRESETS if p in rows)}) compile and run "

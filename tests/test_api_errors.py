@@ -100,9 +100,11 @@ def test_policy_errors_are_value_errors_too():
 
 @pytest.mark.parametrize("bad", ["1", 1.5, (1, "2"), True, None])
 def test_static_argnums_type(bad):
-    for wrap in (lambda: nn.remat(Gated, static_argnums=bad),
-                 lambda: nn.remat(f, static_argnums=bad),
-                 lambda: rn.checkpoint(f, static_argnums=bad)):  # fmt: skip
+    for wrap in (
+        lambda: nn.remat(Gated, static_argnums=bad),
+        lambda: nn.remat(f, static_argnums=bad),
+        lambda: rn.checkpoint(f, static_argnums=bad),
+    ):
         with pytest.raises(TypeError, match=r"argument `static_argnums` must be an int or a tuple"):
             wrap()
 

@@ -195,8 +195,10 @@ def _revnet_errors(depth: int, streams: tuple[Any, ...]) -> dict[Any, float]:
     variables = _small_variables(jax.eval_shape(base.init, jax.random.key(0), x))
 
     def loss(module, params):
-        v = {"params": jax.tree.map(lambda p: p.astype(BF16), params),
-             "batch_stats": variables["batch_stats"]}  # fmt: skip
+        v = {
+            "params": jax.tree.map(lambda p: p.astype(BF16), params),
+            "batch_stats": variables["batch_stats"],
+        }
         logits = module.apply(v, x, train=False)  # (B, 10)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1))
 
@@ -236,9 +238,11 @@ def test_float32_stream_reconstructs_as_plain_autodiff_at_any_depth(family):
     errors = _lm_errors if family == "transformer" else _revnet_errors
     deep = errors(DEEP, (F32, BF16))
     shallow = errors(2, (BF16,))  # a float32 stream at depth 2: bit-identical as at DEEP
-    print(f"{family}: reconstructing gradient vs plain autodiff, bfloat16 compute: float32 "
-          f"stream {deep[F32]:.3g} at depth {DEEP}; bfloat16 stream {shallow[BF16]:.3g} at "
-          f"depth 2, {deep[BF16]:.3g} at depth {DEEP}")  # fmt: skip
+    print(
+        f"{family}: reconstructing gradient vs plain autodiff, bfloat16 compute: float32 "
+        f"stream {deep[F32]:.3g} at depth {DEEP}; bfloat16 stream {shallow[BF16]:.3g} at "
+        f"depth 2, {deep[BF16]:.3g} at depth {DEEP}"
+    )
     assert deep[F32] < RECON_TOL
     # The check has teeth: a bfloat16 stream misses the bound already at depth 2, and its error
     # grows with depth.

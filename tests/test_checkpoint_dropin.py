@@ -141,9 +141,10 @@ SAMPLE_KEYWORDS = {
 
 def test_every_jax_keyword_is_accepted_with_jaxs_meaning():
     keywords = [
-        n for n, p in inspect.signature(jax.checkpoint).parameters.items()
+        n
+        for n, p in inspect.signature(jax.checkpoint).parameters.items()
         if p.kind is p.KEYWORD_ONLY and n != "concrete"  # concrete: removed, raises (see errors)
-    ]  # fmt: skip
+    ]
     assert sorted(keywords) == sorted(SAMPLE_KEYWORDS), "a new jax.checkpoint keyword"
     ours = rn.checkpoint(gated, **SAMPLE_KEYWORDS)
     ref = jax.checkpoint(
@@ -390,5 +391,8 @@ def test_nn_checkpoint_is_nn_remat_as_in_flax():
     ours, theirs = nn.checkpoint(Block)(), fnn.checkpoint(Block)()
     v = theirs.init(KEY, X)
     assert jax.tree.structure(ours.init(KEY, X)) == jax.tree.structure(v)
-    assert_same(lambda p: ours.apply({"params": p}, X), lambda p: theirs.apply({"params": p}, X),
-                v["params"])  # fmt: skip
+    assert_same(
+        lambda p: ours.apply({"params": p}, X),
+        lambda p: theirs.apply({"params": p}, X),
+        v["params"],
+    )

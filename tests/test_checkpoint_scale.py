@@ -397,10 +397,12 @@ def test_restore_latest_donatable_peak_is_the_state_plus_one_leaf(tmp_path, copy
     saved_bytes = device_bytes(state)
     target = abstract(state)
     if cast:
-        target = target._replace(params=jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=a.sharding),
-            target.params,
-        ))  # fmt: skip
+        target = target._replace(
+            params=jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=a.sharding),
+                target.params,
+            )
+        )
     del state
     base = live_device_bytes()
     restored, _, _ = ck.restore_latest(target, allow_dtype_cast=cast, donatable=True)
@@ -491,7 +493,7 @@ def _two_workers(tmp_path, port: int) -> list[dict]:
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     try:

@@ -50,7 +50,7 @@ MALFORMED: dict[str, tuple[bytes | str, set[str]]] = {
     "image_shape_short": (
         "data: {synthetic: {image_shape: [32, 32]}}\n",
         {"data.synthetic.image_shape.2"},
-    ),  # fmt: skip
+    ),
     "list_for_mapping": ("optim: [sgd, 0.1]\n", {"optim"}),
     "scalar_for_mapping": ("train: 100\n", {"train"}),
     # YAML pitfalls
@@ -144,8 +144,10 @@ def test_malformed_configs_exit_2_with_dotted_paths(workdir, capsys):
 
 
 def test_missing_file_and_directory(workdir, capsys):
-    for target, says in ((workdir / "cfg" / "nope.yaml", "no such config file"),
-                         (workdir / "cfg", "is a directory")):  # fmt: skip
+    for target, says in (
+        (workdir / "cfg" / "nope.yaml", "no such config file"),
+        (workdir / "cfg", "is a directory"),
+    ):
         code = main(["--config", str(target)])
         captured = capsys.readouterr()
         _check_cli_output(code, captured.out, captured.err, {""})
@@ -156,8 +158,9 @@ def test_missing_file_and_directory(workdir, capsys):
 def test_malformed_overrides_are_checked_like_files(workdir, capsys):
     code = main(["train.steps=010", "train.plot=yes", "optim.lr=-1", "novalue"])
     captured = capsys.readouterr()
-    _check_cli_output(code, captured.out, captured.err,
-                      {"train.steps", "train.plot", "optim.lr", "novalue"})  # fmt: skip
+    _check_cli_output(
+        code, captured.out, captured.err, {"train.steps", "train.plot", "optim.lr", "novalue"}
+    )
 
 
 def test_yaml_12_spellings_still_work(tmp_path):
@@ -184,9 +187,12 @@ def test_cli_subprocess(workdir, name):
     path = _write(workdir, name, text)
     result = subprocess.run(
         [sys.executable, "-m", "train", "--config", str(path)],
-        cwd=workdir / "run", capture_output=True, text=True, timeout=120,
+        cwd=workdir / "run",
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
+    )
     _check_cli_output(result.returncode, result.stdout, result.stderr, expected)
     assert list((workdir / "run").iterdir()) == []
 
@@ -206,9 +212,10 @@ def _schema(model: type[pydantic.BaseModel]) -> dict[str, object]:
 
 SCHEMA = _schema(Config)
 JUNK_KEYS = ["bogus", "stepz", "lr ", "", "on", "yes", "1", "save", "options", "name.x"]
-ENUM_WORDS = ["sgd", "adamw", "digits", "corpus", "synthetic", "npz", "text", "transformer",
-              "revnet38", "resnet32", "halt", "skip", "cosine", "constant", "bfloat16", "full",
-              "query_proj", "mlp_hidden", "eval_loss", "auto", "none"]  # fmt: skip
+ENUM_WORDS = (
+    "sgd adamw digits corpus synthetic npz text transformer revnet38 resnet32 halt skip cosine "
+    "constant bfloat16 full query_proj mlp_hidden eval_loss auto none"
+).split()
 
 scalars = st.one_of(
     st.none(),
@@ -239,11 +246,13 @@ def configs(draw, schema=SCHEMA, depth=0):
         if isinstance(sub, dict) and draw(st.booleans()):
             out[key] = draw(configs(sub, depth + 1))
         elif key == "remat" and draw(st.booleans()):
-            out[key] = draw(st.dictionaries(
-                st.sampled_from(["save", "offload", "recompute", "default", "sav"]),
-                st.one_of(st.lists(st.sampled_from(ENUM_WORDS), max_size=3), scalars),
-                max_size=3,
-            ))  # fmt: skip
+            out[key] = draw(
+                st.dictionaries(
+                    st.sampled_from(["save", "offload", "recompute", "default", "sav"]),
+                    st.one_of(st.lists(st.sampled_from(ENUM_WORDS), max_size=3), scalars),
+                    max_size=3,
+                )
+            )
         else:
             out[key] = draw(values)
     return out
@@ -266,8 +275,13 @@ def _loads_or_config_error(text: bytes, overrides=()) -> None:
         assert isinstance(cfg, Config)
 
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @FUZZ
@@ -277,20 +291,64 @@ def test_fuzz_random_config_mappings(tree):
 
 
 @FUZZ
-@given(st.lists(st.sampled_from([
-    "train:", "  steps: 3", "optim: {lr: 1e-3}", "\t", "- a", "&a x", "*a", "? [a]", ": 1",
-    "data:", "  source: no", "---", "<<: {steps: 1}", "  010", "{", "}", "remat: full", "on: off",
-    "model: {name: transformer}", "  synthetic: {image_shape: [1, 2, 3]}", "x: !!python/int 3",
-]), max_size=6))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "train:",
+                "  steps: 3",
+                "optim: {lr: 1e-3}",
+                "\t",
+                "- a",
+                "&a x",
+                "*a",
+                "? [a]",
+                ": 1",
+                "data:",
+                "  source: no",
+                "---",
+                "<<: {steps: 1}",
+                "  010",
+                "{",
+                "}",
+                "remat: full",
+                "on: off",
+                "model: {name: transformer}",
+                "  synthetic: {image_shape: [1, 2, 3]}",
+                "x: !!python/int 3",
+            ]
+        ),
+        max_size=6,
+    )
+)
 def test_fuzz_random_yaml_text(lines):
     _loads_or_config_error("\n".join(lines).encode())
 
 
 @FUZZ
-@given(st.lists(st.tuples(
-    st.sampled_from(["train.steps", "optim.lr", "model.options.depth", "remat", "remat.save",
-                     "data", "data.synthetic.image_shape", "x.y.z", "", "train..steps"]),
-    st.sampled_from(["3", "-1", "010", "yes", "~", "[a, b]", "{save: [x]}", "1e-3", "{", "a: b"]),
-), max_size=4))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "train.steps",
+                    "optim.lr",
+                    "model.options.depth",
+                    "remat",
+                    "remat.save",
+                    "data",
+                    "data.synthetic.image_shape",
+                    "x.y.z",
+                    "",
+                    "train..steps",
+                ]
+            ),
+            st.sampled_from(
+                ["3", "-1", "010", "yes", "~", "[a, b]", "{save: [x]}", "1e-3", "{", "a: b"]
+            ),
+        ),
+        max_size=4,
+    )
+)
 def test_fuzz_random_overrides(pairs):
     _loads_or_config_error(b"train: {steps: 2}\n", [f"{k}={v}" for k, v in pairs])

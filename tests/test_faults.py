@@ -33,8 +33,14 @@ from train import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny_mlp_for_fault_tests"
-KILL_POINTS = ("before_save", "during_async_write", "after_data_written", "before_finalize",
-               "after_finalize_before_cleanup", "during_restore")  # fmt: skip
+KILL_POINTS = (
+    "before_save",
+    "during_async_write",
+    "after_data_written",
+    "before_finalize",
+    "after_finalize_before_cleanup",
+    "during_restore",
+)
 
 
 class Options(pydantic.BaseModel):
@@ -83,10 +89,19 @@ def compile_cache(tmp_path_factory):
 
 def argv(run_dir, *extra: str) -> list[str]:
     return [
-        f"model.name={MODEL}", "data.source=digits", "data.batch_size=32", "train.steps=8",
-        "train.log_every=1", "train.eval_every=0", "train.plot=false", "checkpoint.every=2",
-        "checkpoint.keep=3", "optim.warmup_steps=2", f"run_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        f"model.name={MODEL}",
+        "data.source=digits",
+        "data.batch_size=32",
+        "train.steps=8",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.plot=false",
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+        "optim.warmup_steps=2",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
@@ -101,9 +116,13 @@ def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
     if fault:
         env["REMAT_NN_FAULT"] = fault
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def train(run_dir, *extra: str, fault: str | None = None) -> tuple[int, str]:
@@ -280,13 +299,16 @@ KERNEL = r"leaf \[[^;]*\['Dense_0'\]\['kernel'\]"
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        (flip_byte, rf"checksum: {KERNEL} does not match its manifest \(crc32 0x[0-9a-f]{{8}}, "
-                    r"manifest 0x[0-9a-f]{8}\)|unreadable: " + KERNEL),
+        (
+            flip_byte,
+            rf"checksum: {KERNEL} does not match its manifest \(crc32 0x[0-9a-f]{{8}}, "
+            r"manifest 0x[0-9a-f]{8}\)|unreadable: " + KERNEL,
+        ),
         (truncate, rf"unreadable: {KERNEL}: "),
         (delete_metadata, r"unreadable: state/_METADATA is missing"),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
-)  # fmt: skip
+)
 def test_damaged_newest_step_falls_back_naming_the_reason_and_leaf(
     damage, reason, tmp_path, reference
 ):
@@ -333,14 +355,20 @@ def test_every_step_damaged_exits_nonzero_listing_each(tmp_path, reference):
 @pytest.mark.parametrize(
     "change, expect",
     [
-        ("model.options.width=32", "['params']['Dense_0']['kernel']: saved (64, 16) float32, "
-                                   "expected (64, 32) float32"),
-        ("model.options.param_dtype=bfloat16", "['params']['Dense_0']['kernel']: saved (64, 16) "
-                                               "float32, expected (64, 16) bfloat16"),
-        ("model.options.depth=2", "['params']['Dense_2']['kernel']: saved (absent), expected "
-                                  "(16, 10) float32"),
+        (
+            "model.options.width=32",
+            "['params']['Dense_0']['kernel']: saved (64, 16) float32, expected (64, 32) float32",
+        ),
+        (
+            "model.options.param_dtype=bfloat16",
+            "['params']['Dense_0']['kernel']: saved (64, 16) float32, expected (64, 16) bfloat16",
+        ),
+        (
+            "model.options.depth=2",
+            "['params']['Dense_2']['kernel']: saved (absent), expected (16, 10) float32",
+        ),
     ],
-)  # fmt: skip
+)
 def test_restore_mismatch_lists_leaves_saved_vs_expected(change, expect, tmp_path, reference):
     run_dir = copy_of(reference, tmp_path)
     code, out = train(run_dir, change, "train.steps=10")

@@ -23,10 +23,29 @@ def test_flax_remat_tests_pass_with_remat_nn():
     assert test_file.exists(), f"{test_file} is missing: run `make setup` (it fetches the sdist)."
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
-         "-p", "flax_upstream_plugin", "-k", SELECT, "-c", os.devnull, "--rootdir", str(UPSTREAM)],
-        capture_output=True, text=True, env=env, timeout=600, cwd=UPSTREAM,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(test_file),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "flax_upstream_plugin",
+            "-k",
+            SELECT,
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(UPSTREAM),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=UPSTREAM,
+    )
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     passed = int(re.search(r"(\d+) passed", proc.stdout).group(1))

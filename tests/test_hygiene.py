@@ -47,8 +47,7 @@ def _build_and_drop(i: int) -> list[weakref.ref]:
     model = Net(plan=plan)
     tx = optax.sgd(0.1)
     init = state_lib.make_init(model, tx, X, seed=i)
-    step = state_lib.make_train_step(model, tx, optax.constant_schedule(0.1),
-                                     has_batch_stats=False)  # fmt: skip
+    step = state_lib.make_train_step(model, tx, optax.constant_schedule(0.1), has_batch_stats=False)
     jitted = jax.jit(step, donate_argnums=0)
     state = jax.jit(init)()
     state, metrics = jitted(state, {"x": X, "y": Y})
@@ -106,9 +105,11 @@ def test_remat_nn_keeps_no_module_level_function_cache():
     import remat_nn._planner as planner
 
     cached = [
-        name for mod in (rn._checkpoint, rn._plan, rn._policies, nn._remat, rn.names)
-        for name, obj in vars(mod).items() if hasattr(obj, "cache_info")
-    ]  # fmt: skip
+        name
+        for mod in (rn._checkpoint, rn._plan, rn._policies, nn._remat, rn.names)
+        for name, obj in vars(mod).items()
+        if hasattr(obj, "cache_info")
+    ]
     assert cached == []
     assert planner._measured_rates.__wrapped__.__code__.co_argcount == 0
 
@@ -169,8 +170,9 @@ def test_tied_leaves_are_named_before_the_first_step():
 def test_trainer_step_uses_every_donated_buffer():
     # "Some donated buffers were not usable" is an error here (and suite-wide via pyproject).
     model, tx, state = _state(MLP())
-    step = state_lib.make_train_step(model, tx, optax.constant_schedule(1e-2),
-                                     has_batch_stats=False)  # fmt: skip
+    step = state_lib.make_train_step(
+        model, tx, optax.constant_schedule(1e-2), has_batch_stats=False
+    )
     jitted = jax.jit(step, donate_argnums=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -312,8 +312,10 @@ def test_compiled_temp_memory_slope(compiled_stacks):
 def test_unrolled_stack_temp_memory_is_flat_in_depth(compiled_stacks):
     """The README's figure: the same compiled temp bytes at depth 8 and 64."""
     temp = {k: c.memory_analysis().temp_size_in_bytes for k, (c, _) in compiled_stacks.items()}
-    print(f"invertible unrolled stack temp: N=8 {temp['invertible', 8]:,} B, "
-          f"N=64 {temp['invertible', 64]:,} B")  # fmt: skip
+    print(
+        f"invertible unrolled stack temp: N=8 {temp['invertible', 8]:,} B, "
+        f"N=64 {temp['invertible', 64]:,} B"
+    )
     assert temp["invertible", 8] == temp["invertible", 64]
 
 
@@ -330,8 +332,11 @@ def test_nothing_but_outputs_and_inputs_is_ever_saved(small):
     residuals = saved_residuals(sin_loss(rn.invertible(messy)), *args)
     # Besides arguments, the residuals are the loss's own (cos of each output) and the three
     # outputs of the invertible function (labelled by the equation that made them): nothing else.
-    inner = [(a.shape, src) for a, src in residuals
-             if "from the argument" not in src and "output of cos" not in src]  # fmt: skip
+    inner = [
+        (a.shape, src)
+        for a, src in residuals
+        if "from the argument" not in src and "output of cos" not in src
+    ]
     assert sorted(shape for shape, _ in inner) == [(4, 8)] * 3, residuals
     g_inv, g_ref = grads(messy, *args, argnums=(0, 1, 2))
     assert rel_err(g_inv, g_ref) < 1e-5
@@ -390,8 +395,13 @@ def test_a_known_factor_with_zeros_raises_instead_of_nan(jit):
     assert rel_err(safe, want) < 1e-6
     # a gate without zeros inverts, checked, and matches
     ones = jnp.linspace(0.5, 1.5, 8)  # w > 0 everywhere
-    assert rel_err(grad(x, ones), jax.grad(lambda x, g: jnp.sum(jnp.sin(_gated(x, g))),
-                                           argnums=(0, 1))(x, ones)) < 1e-6  # fmt: skip
+    assert (
+        rel_err(
+            grad(x, ones),
+            jax.grad(lambda x, g: jnp.sum(jnp.sin(_gated(x, g))), argnums=(0, 1))(x, ones),
+        )
+        < 1e-6
+    )
 
 
 def test_a_constant_zero_factor_keeps_the_input_instead_of_failing_at_run_time():
@@ -449,8 +459,10 @@ def test_statement_order_does_not_change_the_analysis(small, fallback):
     fallback="recompute" it stored a data input plus an intermediate."""
     p, w = small
     args = (p["a"], p["b"], w["f"])
-    reports = [rn.inversion_report(rn.invertible(f, fallback=fallback), *args)
-               for f in (_out_first, _out_last)]  # fmt: skip
+    reports = [
+        rn.inversion_report(rn.invertible(f, fallback=fallback), *args)
+        for f in (_out_first, _out_last)
+    ]
     for report in reports:
         assert report.stored_inputs == (("args[2]", "f32[8,8]"),), str(report)
         assert report.invertible
@@ -527,10 +539,12 @@ def test_static_argnames_and_argnums():
     by_num = rn.invertible(block, static_argnums=(2, 3))
     for inv in (by_name, by_num):
         for train in (False, True):
-            got = jax.grad(lambda x, w, inv=inv, t=train: jnp.sum(jnp.sin(inv(x, w, t, 3))),
-                           argnums=(0, 1))(x, w)  # fmt: skip
-            want = jax.grad(lambda x, w, t=train: jnp.sum(jnp.sin(block(x, w, t, 3))),
-                            argnums=(0, 1))(x, w)  # fmt: skip
+            got = jax.grad(
+                lambda x, w, inv=inv, t=train: jnp.sum(jnp.sin(inv(x, w, t, 3))), argnums=(0, 1)
+            )(x, w)
+            want = jax.grad(
+                lambda x, w, t=train: jnp.sum(jnp.sin(block(x, w, t, 3))), argnums=(0, 1)
+            )(x, w)
             assert rel_err(got, want) < 1e-6
     got = by_name(x, w, train=True, scale=3)
     assert rel_err(got, block(x, w, True, 3)) == 0.0
@@ -600,8 +614,9 @@ def test_upgrade_flags_coupling_checkpoint_and_custom_ivjp(small):
     got = jax.grad(sin_loss(rn.invertible(_two_halves(g))), argnums=(0, 1, 2))(*args)
     assert rel_err(got, want) < 1e-5
     assert len(calls) == 2  # its rule, not a walk of its body
-    named = grads(lambda x, w: rn.name(x * 2.0, "h") + jnp.tanh(w), p["a"], w["f"][:4],
-                  argnums=(0, 1))  # fmt: skip
+    named = grads(
+        lambda x, w: rn.name(x * 2.0, "h") + jnp.tanh(w), p["a"], w["f"][:4], argnums=(0, 1)
+    )
     assert rel_err(*named) < 1e-6
 
 
@@ -626,8 +641,15 @@ def test_inversion_report_is_readable(small):
     text = str(rn.inversion_report(rn.invertible(_one_bad_op), p["a"], p["b"], w["f"]))
     print(text)
     assert text.startswith("rn.inversion_report: 8 equations;")
-    for word in ("inverted", "recomputed", "sin", f"{FILE}:", "stored inputs", "no intermediates",
-                 "do not determine"):  # fmt: skip
+    for word in (
+        "inverted",
+        "recomputed",
+        "sin",
+        f"{FILE}:",
+        "stored inputs",
+        "no intermediates",
+        "do not determine",
+    ):
         assert word in text
 
 

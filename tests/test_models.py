@@ -125,10 +125,12 @@ def test_transformer_shapes_and_registry():
         ({"d_model": 10, "n_heads": 3}, "divisible"),
         ({"n_layer": 2}, "n_layer"),
         ({"reversible": True, "remat": "minimal"}, "reversible"),
-        ({"remat": "custom", "custom_plan": {"save": ["query_proj"], "offload": ["query_proj"]}},
-         "query_proj"),
+        (
+            {"remat": "custom", "custom_plan": {"save": ["query_proj"], "offload": ["query_proj"]}},
+            "query_proj",
+        ),
     ],
-)  # fmt: skip
+)
 def test_transformer_options_rejected(bad, match):
     with pytest.raises(pydantic.ValidationError, match=match):
         models.build("transformer", **bad)

@@ -20,8 +20,11 @@ def brute_force(costs, capacity):
     for choice in itertools.product(("save", "offload", "recompute"), repeat=len(costs)):
         weight, seconds, reductions = 0, 0.0, [0]
         for c, a in zip(costs, choice, strict=True):
-            t = {"save": c.save_seconds, "offload": c.offload_seconds,
-                 "recompute": c.recompute_seconds}[a]  # fmt: skip
+            t = {
+                "save": c.save_seconds,
+                "offload": c.offload_seconds,
+                "recompute": c.recompute_seconds,
+            }[a]
             if t is None:
                 break
             seconds += t
@@ -88,9 +91,17 @@ def test_greedy_fallback_is_feasible_and_close(seed):
 
 @pytest.mark.parametrize(
     "spec, want",
-    [("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20), ("100KB", 100_000), (4096, 4096),
-     ("1e6", 10**6), (0.25, 250), ("40%", 400), ("1.5KiB", 1536)],
-)  # fmt: skip
+    [
+        ("2GiB", 2 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("100KB", 100_000),
+        (4096, 4096),
+        ("1e6", 10**6),
+        (0.25, 250),
+        ("40%", 400),
+        ("1.5KiB", 1536),
+    ],
+)
 def test_parse_budget(spec, want):
     assert rn.parse_budget(spec, reference_bytes=1000) == want
 
@@ -226,8 +237,9 @@ def test_offload_is_left_out_on_cpu_and_invert_is_refused(stack):
 def tiny_lm():
     import models
 
-    module = models.build("transformer", vocab_size=64, d_model=32, n_heads=2, n_layers=2,
-                          max_len=32, remat="none")  # fmt: skip
+    module = models.build(
+        "transformer", vocab_size=64, d_model=32, n_heads=2, n_layers=2, max_len=32, remat="none"
+    )
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 64, jnp.int32)  # (B, T + 1)
     params = jax.jit(module.init)(jax.random.key(0), tokens[:, :-1])["params"]
 

@@ -132,10 +132,21 @@ def test_auto_request_passes_only_the_keys_given():
 
     plain = AutoRequest.from_config({"policy": "auto", "budget": "1GiB"})
     assert plain.planner_kwargs() == {"flops_per_second": 1e12, "memory_bandwidth": 1e11}
-    full = AutoRequest.from_config({"policy": "auto", "budget": 0.5, "allow": ["save"],
-                                    "host_bandwidth": 8e9, "flops_per_second": 2e12})  # fmt: skip
-    want = {"allow": ["save"], "host_bandwidth": 8e9, "flops_per_second": 2e12,
-            "memory_bandwidth": 1e11}  # fmt: skip
+    full = AutoRequest.from_config(
+        {
+            "policy": "auto",
+            "budget": 0.5,
+            "allow": ["save"],
+            "host_bandwidth": 8e9,
+            "flops_per_second": 2e12,
+        }
+    )
+    want = {
+        "allow": ["save"],
+        "host_bandwidth": 8e9,
+        "flops_per_second": 2e12,
+        "memory_bandwidth": 1e11,
+    }
     assert full.planner_kwargs() == want
     with pytest.raises(ValueError, match=r"remat\.budget.*remat\.bugdet|remat\.bugdet.*budget"):
         AutoRequest.from_config({"policy": "auto", "bugdet": 1})

@@ -24,8 +24,12 @@ def errors_of(path=None, overrides=()) -> dict[str, str]:
 
 def test_yaml_12_floats_are_floats():
     assert yaml.load("a: 1e-3\nb: 5E+2\nc: 1.5\nd: 3\ne: 1e3x", Loader=YamlLoader) == {
-        "a": 0.001, "b": 500.0, "c": 1.5, "d": 3, "e": "1e3x",
-    }  # fmt: skip
+        "a": 0.001,
+        "b": 500.0,
+        "c": 1.5,
+        "d": 3,
+        "e": "1e3x",
+    }
     assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}  # what plain PyYAML does
 
 
@@ -56,9 +60,15 @@ def test_every_error_is_reported_at_once_with_its_dotted_path(tmp_path):
     )
     errs = errors_of(path)
     assert set(errs) == {
-        "optim.lr", "optim.momentun", "train.steps", "train.on_nonfinite", "data.source",
-        "data.test_fraction", "mesh", "bogus",
-    }  # fmt: skip
+        "optim.lr",
+        "optim.momentun",
+        "train.steps",
+        "train.on_nonfinite",
+        "data.source",
+        "data.test_fraction",
+        "mesh",
+        "bogus",
+    }
     assert "greater than 0" in errs["optim.lr"] and "-1" in errs["optim.lr"]
     assert "did you mean 'optim.momentum'" in errs["optim.momentun"]
     assert "'halt' or 'skip'" in errs["train.on_nonfinite"]
@@ -68,8 +78,15 @@ def test_every_error_is_reported_at_once_with_its_dotted_path(tmp_path):
 def test_model_options_are_validated_by_the_models_schema():
     errs = errors_of(None, ["model.name=transformr"])
     assert "did you mean 'transformer'" in errs["model.name"].lower()
-    errs = errors_of(None, ["model.name=transformer", "data.source=corpus",
-                            "model.options.d_modle=64", "model.options.n_heads=0"])  # fmt: skip
+    errs = errors_of(
+        None,
+        [
+            "model.name=transformer",
+            "data.source=corpus",
+            "model.options.d_modle=64",
+            "model.options.n_heads=0",
+        ],
+    )
     assert "unknown key" in errs["model.options.d_modle"]
     assert "greater than 0" in errs["model.options.n_heads"]
     errs = errors_of(None, ["model.name=transformer"])  # the default source is images
@@ -80,11 +97,23 @@ def test_remat_plan_is_read_once_into_a_plan_and_checked():
     import remat_nn as rn
     from train import remat as remat_lib
 
-    cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
-                             "remat={save: [query_proj], offload: [mlp_hidden]}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "model.name=transformer",
+            "data.source=corpus",
+            "remat={save: [query_proj], offload: [mlp_hidden]}",
+        ],
+    )
     assert remat_lib.resolve(cfg) == rn.plan({"save": ["query_proj"], "offload": ["mlp_hidden"]})
-    errs = errors_of(None, ["model.name=transformer", "data.source=corpus",
-                            "remat={save: [query_proj], offload: [query_proj]}"])  # fmt: skip
+    errs = errors_of(
+        None,
+        [
+            "model.name=transformer",
+            "data.source=corpus",
+            "remat={save: [query_proj], offload: [query_proj]}",
+        ],
+    )
     assert any(p.startswith("remat") or p.startswith("model.options") for p in errs)
 
 
@@ -113,16 +142,26 @@ def test_shipped_configs_use_the_intended_models():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
 
 
 def test_cli_help_and_config_errors(tmp_path):
     helped = _cli("--help")
     assert helped.returncode == 0
-    for option in ("--dry-run", "--restart", "optim.lr", "checkpoint.keep_best", "mesh.fsdp",
-                   "train.on_nonfinite", "--coordinator"):  # fmt: skip
+    for option in (
+        "--dry-run",
+        "--restart",
+        "optim.lr",
+        "checkpoint.keep_best",
+        "mesh.fsdp",
+        "train.on_nonfinite",
+        "--coordinator",
+    ):
         assert option in helped.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim: {lr: -1}\ntrain: {stepz: 3}\n")
@@ -139,9 +178,25 @@ def test_cli_help_and_config_errors(tmp_path):
 def test_the_public_names_stay_importable_from_train_config():
     import train.config as config
 
-    for name in ("Config", "ConfigError", "Optim", "Train", "Checkpoint", "Mesh", "Distributed",
-                 "Data", "Model", "Synthetic", "YamlLoader", "apply_overrides", "load_config",
-                 "dump_config", "describe_options", "safe_field", "is_resume_safe"):  # fmt: skip
+    for name in (
+        "Config",
+        "ConfigError",
+        "Optim",
+        "Train",
+        "Checkpoint",
+        "Mesh",
+        "Distributed",
+        "Data",
+        "Model",
+        "Synthetic",
+        "YamlLoader",
+        "apply_overrides",
+        "load_config",
+        "dump_config",
+        "describe_options",
+        "safe_field",
+        "is_resume_safe",
+    ):
         assert name in config.__all__ and getattr(config, name) is not None, name
     assert config.ConfigError.__module__ == "train.config"  # as tracebacks show it
 
@@ -151,13 +206,33 @@ def test_resume_safe_keys_are_read_from_the_schema_marks(monkeypatch):
     from train.config import Train, is_resume_safe, resume_safe_keys
 
     assert not hasattr(integrity, "RESUME_SAFE")  # no hand-kept list beside the schema
-    for key in ("name", "run_dir", "train.steps", "train.log_every", "train.eval_every",
-                "train.progress", "checkpoint.keep", "checkpoint.best_metric",
-                "distributed.coordinator_address", "distributed.process_id"):  # fmt: skip
+    for key in (
+        "name",
+        "run_dir",
+        "train.steps",
+        "train.log_every",
+        "train.eval_every",
+        "train.progress",
+        "checkpoint.keep",
+        "checkpoint.best_metric",
+        "distributed.coordinator_address",
+        "distributed.process_id",
+    ):
         assert is_resume_safe(key), key
-    for key in ("optim.lr", "optim.schedule_steps", "optim.decay_exclude", "train.seed",
-                "train.compute_dtype", "model.options.depth", "remat", "remat.save", "mesh.fsdp",
-                "optim.decay_all", "nosuch", "train"):  # fmt: skip
+    for key in (
+        "optim.lr",
+        "optim.schedule_steps",
+        "optim.decay_exclude",
+        "train.seed",
+        "train.compute_dtype",
+        "model.options.depth",
+        "remat",
+        "remat.save",
+        "mesh.fsdp",
+        "optim.decay_all",
+        "nosuch",
+        "train",
+    ):
         assert not is_resume_safe(key), key
     assert "distributed.*" in resume_safe_keys() and "checkpoint.*" in resume_safe_keys()
     # Marking a field is all it takes (and all there is): the mark is what is read.
@@ -168,10 +243,18 @@ def test_resume_safe_keys_are_read_from_the_schema_marks(monkeypatch):
 def test_help_says_which_options_may_change_on_resume():
     from train.config import describe_options
 
-    lines = {line.split(":")[0].strip(): line for line in describe_options().splitlines()
-             if line.startswith("  ") and not line.startswith("   ")}  # fmt: skip
-    for key in ("train.steps", "train.log_every", "checkpoint.every", "distributed.process_id",
-                "name"):  # fmt: skip
+    lines = {
+        line.split(":")[0].strip(): line
+        for line in describe_options().splitlines()
+        if line.startswith("  ") and not line.startswith("   ")
+    }
+    for key in (
+        "train.steps",
+        "train.log_every",
+        "checkpoint.every",
+        "distributed.process_id",
+        "name",
+    ):
         assert lines[key].endswith("[resume-safe]"), lines[key]
     for key in ("optim.lr", "optim.schedule_steps", "train.seed", "mesh.fsdp", "remat"):
         assert "[resume-safe]" not in lines[key], lines[key]
@@ -219,8 +302,9 @@ def test_other_changes_keep_their_verdicts():
     from train.integrity import config_diff, config_hash
 
     old = _dumped()
-    cadence = _dumped("train.log_every=7", "checkpoint.keep=9", "distributed.process_id=0",
-                      "train.progress='off'")  # fmt: skip
+    cadence = _dumped(
+        "train.log_every=7", "checkpoint.keep=9", "distributed.process_id=0", "train.progress='off'"
+    )
     unsafe, safe = config_diff(old, cadence)
     assert unsafe == [] and len(safe) == 4 and config_hash(old) == config_hash(cadence)
     lr = _dumped("optim.lr=0.2")

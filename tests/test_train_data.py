@@ -64,8 +64,10 @@ def test_cifar10_pickle_directory(tmp_path):
     rng = np.random.default_rng(0)
 
     def batch(n):
-        return {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                b"labels": list(rng.integers(0, 10, n))}  # fmt: skip
+        return {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"labels": list(rng.integers(0, 10, n)),
+        }
 
     parts = {name: batch(6) for name in ("data_batch_1", "data_batch_2", "test_batch")}
     for name, d in parts.items():
@@ -111,8 +113,10 @@ def test_synthetic_shapes():
 
 
 def test_batches_are_keyed_by_seed_and_epoch_and_resume_exactly():
-    ds = load(Data(source="synthetic", synthetic={"num_examples": 40, "image_shape": (1, 1, 1)}),
-              task="classify")  # fmt: skip
+    ds = load(
+        Data(source="synthetic", synthetic={"num_examples": 40, "image_shape": (1, 1, 1)}),
+        task="classify",
+    )
     ids = lambda b: b["x"].reshape(-1).tolist()  # each example's unique pixel names it
     run = Batches(ds, global_batch=8, seed=3)
     seen = [ids(next(run)) for _ in range(12)]  # 5 batches per epoch: crosses two epochs
@@ -121,17 +125,23 @@ def test_batches_are_keyed_by_seed_and_epoch_and_resume_exactly():
     resumed = Batches(ds, global_batch=8, seed=3, position=7)
     assert [ids(next(resumed)) for _ in range(5)] == seen[7:12]
     assert [ids(next(Batches(ds, global_batch=8, seed=4)))] != seen[:1]
-    halves = [Batches(ds, global_batch=8, seed=3, process_index=i, process_count=2)
-              for i in range(2)]  # fmt: skip
+    halves = [
+        Batches(ds, global_batch=8, seed=3, process_index=i, process_count=2) for i in range(2)
+    ]
     assert ids(next(halves[0])) + ids(next(halves[1])) == seen[0]
     with pytest.raises(ValueError, match="fewer than one global batch"):
         Batches(ds, global_batch=64, seed=0)
 
 
 def test_eval_batches_pad_and_mask_the_last_batch():
-    ds = load(Data(source="synthetic", test_fraction=0.5,
-                   synthetic={"num_examples": 10, "image_shape": (1, 1, 1)}),
-              task="classify")  # fmt: skip
+    ds = load(
+        Data(
+            source="synthetic",
+            test_fraction=0.5,
+            synthetic={"num_examples": 10, "image_shape": (1, 1, 1)},
+        ),
+        task="classify",
+    )
     batches = list(eval_batches(ds, global_batch=4))
     assert len(batches) == 2 and all(b["x"].shape == (4, 1, 1, 1) for b in batches)
     assert batches[-1]["mask"].tolist() == [1, 0, 0, 0]

@@ -77,8 +77,11 @@ def shared_compilation_cache(tmp_path_factory):
     # Every run here compiles the same few programs; XLA:CPU compiles are the bulk of the time,
     # so share them through JAX's persistent cache (this module and its subprocesses only).
     path = str(tmp_path_factory.mktemp("jax_cache"))
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")  # fmt: skip
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     before = {n: getattr(jax.config, n) for n in names}
     for n, v in zip(names, (path, 0.0, -1), strict=True):
         jax.config.update(n, v)
@@ -117,10 +120,18 @@ def make_cfg(run_dir, *overrides: str):
 
 def cli_argv(run_dir, *overrides: str) -> list[str]:
     return [
-        f"model.name={TINY}", "data.batch_size=32", "train.steps=8", "train.log_every=1",
-        "train.eval_every=4", "train.eval_batches=2", "train.plot=false", "checkpoint.every=2",
-        "optim.warmup_steps=2", f"run_dir={run_dir}", *overrides,
-    ]  # fmt: skip
+        f"model.name={TINY}",
+        "data.batch_size=32",
+        "train.steps=8",
+        "train.log_every=1",
+        "train.eval_every=4",
+        "train.eval_batches=2",
+        "train.plot=false",
+        "checkpoint.every=2",
+        "optim.warmup_steps=2",
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
 
 
 def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **kw):
@@ -135,9 +146,14 @@ def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **k
     full_env.pop("XLA_FLAGS", None)
     full_env.update(env or {})
     return subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, env=full_env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -179,9 +195,16 @@ def test_resumed_run_is_bit_identical(tmp_path):
 def test_debug_config_resumes_bit_identically(tmp_path):
     # The shipped debug config (a real registered transformer): stopped at 4 and resumed.
     def cfg(name):
-        return load_config(ROOT / "configs/debug.yaml",
-                           [f"run_dir={tmp_path / name}", "train.steps=8", "train.plot=false",
-                            "checkpoint.every=4", "train.eval_every=0"])  # fmt: skip
+        return load_config(
+            ROOT / "configs/debug.yaml",
+            [
+                f"run_dir={tmp_path / name}",
+                "train.steps=8",
+                "train.plot=false",
+                "checkpoint.every=4",
+                "train.eval_every=0",
+            ],
+        )
 
     full = loop.run(cfg("full"))
     loop.run(cfg("resumed"), stop_after=4)
@@ -197,10 +220,12 @@ def test_debug_config_resumes_bit_identically(tmp_path):
 def _toy_state():
     params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     return state_lib.TrainState(
-        step=jnp.zeros((), jnp.int32), params=params,
+        step=jnp.zeros((), jnp.int32),
+        params=params,
         opt_state=jax.tree.map(jnp.zeros_like, params),
-        batch_stats={}, rng=jax.random.key_data(jax.random.key(0)),
-    )  # fmt: skip
+        batch_stats={},
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
 
 
 def _toy_step(state, batch):
@@ -300,8 +325,11 @@ def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
     loop.run(make_cfg(run_dir, *steps), stop_after=4)  # 8 devices, checkpoint at step 4
     # 1 device: resumes at 4, takes 3 steps, then a SIGTERM (sent by the process itself at step
     # 7) saves a checkpoint and exits.
-    proc = cli(cli_argv(run_dir, *steps, "checkpoint.every=1000"), devices=1,
-               env={"REMAT_NN_FAULT": "sigterm@7"})  # fmt: skip
+    proc = cli(
+        cli_argv(run_dir, *steps, "checkpoint.every=1000"),
+        devices=1,
+        env={"REMAT_NN_FAULT": "sigterm@7"},
+    )
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "'data': 1, 'fsdp': 1" in out and "resumed from" in out and "SIGTERM" in out
@@ -360,13 +388,21 @@ def test_two_process_run_saves_and_resumes(tmp_path):
     assert "resumed from" in second[0] and "(step 3)" in second[0]
 
     # Same data, same global batch, 4 devices in one process: the same losses.
-    single = loop.run(make_cfg(tmp_path / "one", "train.steps=6", "train.eval_every=3",
-                               "train.log_every=1", "mesh.data=4"))  # fmt: skip
+    single = loop.run(
+        make_cfg(
+            tmp_path / "one",
+            "train.steps=6",
+            "train.eval_every=3",
+            "train.log_every=1",
+            "mesh.data=4",
+        )
+    )
     assert single.step == 6
     np.testing.assert_allclose(
-        [r["loss"] for r in metrics(run_dir)], [r["loss"] for r in metrics(tmp_path / "one")],
+        [r["loss"] for r in metrics(run_dir)],
+        [r["loss"] for r in metrics(tmp_path / "one")],
         rtol=1e-5,
-    )  # fmt: skip
+    )
 
 
 def _steps_saved(run_dir) -> list[int]:
@@ -383,8 +419,9 @@ def _saved_arrays(run_dir, step: int) -> dict:
     meta = getattr(meta, "item_metadata", meta)  # StepMetadata -> the tree's metadata
     args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=one), meta.tree)
     tree = checkpointer.restore(path, restore_args=args)
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)}  # fmt: skip
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
@@ -441,9 +478,16 @@ def test_slurm_launch_is_detected_without_a_coordinator(tmp_path):
                 break
             except OSError:
                 continue
-        envs = [{"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost",
-                 "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
-                for i in range(2)]  # fmt: skip
+        envs = [
+            {
+                "SLURM_JOB_ID": str(job),
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i),
+                "SLURM_LOCALID": str(i),
+            }
+            for i in range(2)
+        ]
         results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
     for code, out in results:
         assert code == 0, out
@@ -483,8 +527,15 @@ def test_dry_run_prints_parameters_and_memory(tmp_path):
     (dtypes,) = [line for line in lines if line.startswith("matmul operand dtypes: {")]
     assert "bfloat16" in dtypes and "float32" not in dtypes.replace("bfloat16", ""), dtypes
     assert result.state is None and not (tmp_path / "dry").exists()
-    for expected in ("parameters:", "Dense_0", "total", "memory report", "XLA compiled memory",
-                     "alias", "donation"):  # fmt: skip
+    for expected in (
+        "parameters:",
+        "Dense_0",
+        "total",
+        "memory report",
+        "XLA compiled memory",
+        "alias",
+        "donation",
+    ):
         assert expected in text, text
 
 
@@ -497,15 +548,20 @@ def test_dry_run_prints_parameters_and_memory(tmp_path):
         # (no arrays here: this module is imported by the subprocesses before jax.distributed)
         ("revnet38", {"width": 0.25}, ((1, 32, 32, 3), "float32")),
         ("resnet32", {"width": 0.25}, ((1, 32, 32, 3), "float32")),
-        ("transformer", {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_len": 16},
-         ((1, 16), "int32")),
+        (
+            "transformer",
+            {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_len": 16},
+            ((1, 16), "int32"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_weight_decay_spares_biases_and_norm_scales_whatever_their_rank(name, options, example):
     model, x = models.build(name, **options), jnp.zeros(*example)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))["params"]
-    flat = {"/".join(str(k.key) for k in path): x
-            for path, x in jax.tree_util.tree_leaves_with_path(params)}  # fmt: skip
+    flat = {
+        "/".join(str(k.key) for k in path): x
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+    }
     exclude = load_config(None, []).optim.decay_exclude  # the default
     decayed = set(state_lib.decayed_paths(params, exclude))
     for where, leaf in flat.items():
@@ -521,8 +577,10 @@ def test_weight_decay_spares_biases_and_norm_scales_whatever_their_rank(name, op
 def test_the_decay_mask_reaches_the_optimizer():
     from train.config import Optim
 
-    params = {"mlp": {"kernel": jnp.ones((3, 4, 4)), "bias": jnp.ones((3, 4))},
-              "ln": {"scale": jnp.ones((3, 4))}}  # fmt: skip
+    params = {
+        "mlp": {"kernel": jnp.ones((3, 4, 4)), "bias": jnp.ones((3, 4))},
+        "ln": {"scale": jnp.ones((3, 4))},
+    }
     zero = jax.tree.map(jnp.zeros_like, params)
     for name in ("adamw", "sgd"):
         cfg = Optim(name=name, lr=0.1, weight_decay=0.5, schedule="constant")

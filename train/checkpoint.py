@@ -94,8 +94,12 @@ class _PyTreeHandler(ocp.handlers.PyTreeCheckpointHandler):
         futures = await super().async_save(directory, *args, **kwargs) or []
         # Waited on in order: the first while the arrays are still being written.
         step = self.step
-        return [_FaultFuture("during_async_write", step), *futures,
-                _FaultFuture("enospc", step), _FaultFuture("after_data_written", step)]  # fmt: skip
+        return [
+            _FaultFuture("during_async_write", step),
+            *futures,
+            _FaultFuture("enospc", step),
+            _FaultFuture("after_data_written", step),
+        ]
 
     def finalize(self, directory) -> None:  # type: ignore[override]
         faults.kill_if("before_finalize", self.step)
@@ -235,8 +239,12 @@ class Checkpointer:
                 f"last valid checkpoint is {self._last_valid()}."
             )
         meta = {"step": step, "data_position": data_position}
-        head = {"step": step, "config_hash": self.config_hash, "meta": meta,
-                "process_count": jax.process_count()}  # fmt: skip
+        head = {
+            "step": step,
+            "config_hash": self.config_hash,
+            "meta": meta,
+            "process_count": jax.process_count(),
+        }
         self._handler.step = self._saving = step
         try:
             started = self._manager.save(
@@ -276,8 +284,9 @@ class Checkpointer:
         else:
             me = jax.process_index()
             shards = {path: r["shards"] for path, r in records.items() if r.get("shards")}
-            integ.write_manifest(step_dir, {"step": step, "process": me, "shards": shards},
-                                 process=me)  # fmt: skip
+            integ.write_manifest(
+                step_dir, {"step": step, "process": me, "shards": shards}, process=me
+            )
 
     def _finish_pending(self) -> None:
         if self._manifest_writer is not None:
@@ -370,9 +379,11 @@ class Checkpointer:
         for step in sorted(self.all_steps(), reverse=True):
             # 1. Its manifest: complete, readable, fits the state, written with this config.
             code, text, manifest = self._check_manifest(
-                step, expected, allow_dtype_cast=allow_dtype_cast,
+                step,
+                expected,
+                allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
-            )  # fmt: skip
+            )
             mine = code
             code, text = _agree(code, text)
             if code in (_MISFIT, _CONFIG):
@@ -404,15 +415,22 @@ class Checkpointer:
             state, meta = restored
             written = manifest.get("config_hash") or ""
             if self.config_hash and written and written != self.config_hash:
-                self._warn(f"WARNING: step {step} was written with another config (config hash "
-                           f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
-                           "this run's config (allowed).")  # fmt: skip
+                self._warn(
+                    f"WARNING: step {step} was written with another config (config hash "
+                    f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
+                    "this run's config (allowed)."
+                )
             saved = manifest["leaves"]
-            cast = [f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
-                    for p, e in expected.items() if saved[p]["dtype"] != e["dtype"]]  # fmt: skip
+            cast = [
+                f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
+                for p, e in expected.items()
+                if saved[p]["dtype"] != e["dtype"]
+            ]
             if cast:
-                self._warn(f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
-                           + "\n".join(cast))  # fmt: skip
+                self._warn(
+                    f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
+                    + "\n".join(cast)
+                )
             state = TrainState(**_refit(_state_tree(state), tree, copy_all=donatable))
             return state, meta, step
         if rejected:
@@ -426,8 +444,10 @@ class Checkpointer:
             # Only saves that never finished (like orbax's own temporary directories): there is
             # no complete checkpoint, so the run starts at step 0, and says so.
             self._set_aside_done()
-            self._warn("WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
-                       + "\n".join(unfinished))  # fmt: skip
+            self._warn(
+                "WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
+                + "\n".join(unfinished)
+            )
         return None
 
     def _check_manifest(
@@ -565,8 +585,14 @@ class _Damaged(ValueError):
 # A process's verdict on a step. Combined over processes by the largest, so this is also the
 # order of precedence: a refusal (raised) over damage (set aside) over an unfinished save.
 _OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _MISFIT, _CONFIG = range(7)
-_KINDS = {_UNFINISHED: "no-manifest", _BAD_MANIFEST: "bad-manifest", _UNREADABLE: "unreadable",
-          _CHECKSUM: "checksum", _MISFIT: "misfit", _CONFIG: "config-changed"}  # fmt: skip
+_KINDS = {
+    _UNFINISHED: "no-manifest",
+    _BAD_MANIFEST: "bad-manifest",
+    _UNREADABLE: "unreadable",
+    _CHECKSUM: "checksum",
+    _MISFIT: "misfit",
+    _CONFIG: "config-changed",
+}
 
 CONFIG_CHANGED = """\
 checkpoint step {step} in {directory} was written with another config (config hash {written}, \
