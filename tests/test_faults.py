@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -29,9 +28,9 @@ import pydantic
 import pytest
 
 import models
+from tests.trainer_cli import launch
 from train import integrity
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny_mlp_for_fault_tests"
 KILL_POINTS = (
     "before_save",
@@ -105,24 +104,8 @@ def argv(run_dir, *extra: str) -> list[str]:
 
 
 def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
-    code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-        "import test_faults; test_faults.register(); from train.__main__ import main; "
-        f"raise SystemExit(main({args!r}))"
-    )
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env.pop("REMAT_NN_FAULT", None)
-    if fault:
-        env["REMAT_NN_FAULT"] = fault
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    env = {"REMAT_NN_FAULT": fault} if fault else None
+    return launch(args, register="test_faults:register", env=env)
 
 
 def train(run_dir, *extra: str, fault: str | None = None) -> tuple[int, str]:

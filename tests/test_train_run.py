@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from jax.experimental.compilation_cache import compilation_cache
 import models
 from tests.gradients import rel_err
 from tests.ports import held_port
+from tests.trainer_cli import launch
 from train import loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
@@ -136,24 +136,7 @@ def cli_argv(run_dir, *overrides: str) -> list[str]:
 
 def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **kw):
     """``python -m train`` with this module's model registered, in a fresh process."""
-    code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-        "import test_train_run; test_train_run.register_tiny(); "
-        "from train.__main__ import main; "
-        f"raise SystemExit(main({argv!r}))"
-    )
-    full_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
-    full_env.pop("XLA_FLAGS", None)
-    full_env.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=full_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        **kw,
-    )
+    return launch(argv, register="test_train_run:register_tiny", devices=devices, env=env, **kw)
 
 
 def leaves(tree) -> list[np.ndarray]:
