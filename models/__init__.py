@@ -14,7 +14,7 @@ Calling conventions (every registered module follows one):
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -22,7 +22,7 @@ from typing import Any, Literal
 import flax.linen as fnn
 import pydantic
 
-__all__ = ["REGISTRY", "ModelSpec", "build", "get", "register"]
+__all__ = ["REGISTRY", "ModelSpec", "build", "get", "register", "remat_option"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,10 @@ class ModelSpec:
       task: ``"classify"`` or ``"lm"`` (see the module docstring for the calling convention).
       doc: one line shown by ``python -m models.summary --list``.
       remat_presets: the preset names the model's ``remat`` option takes, each mapped to its
-        :class:`remat_nn.Plan` (None: no remat). A model with a ``remat`` option also takes a
-        ``Plan`` there directly, or refuses one with an error naming the model and the option.
+        :class:`remat_nn.Plan` (None: no remat). A model's ``remat`` option takes one of these
+        names or a ``Plan`` (or a plan mapping; :func:`remat_option` reads it for the CNN models,
+        the transformer adds ``custom``); the trainer hands the config's ``remat:`` to every
+        model through that option.
     """
 
     build: Callable[..., fnn.Module]
@@ -76,6 +78,66 @@ def build(name: str, **options: Any) -> fnn.Module:
     # The validated values as they are: model_dump would turn a remat_nn.Plan (a dataclass) into
     # a dict.
     return spec.build(**dict(opts))
+
+
+def remat_option(
+    remat: Any, *, presets: Mapping[str, Any], model: str, names: Collection[str]
+) -> Any:
+    """The :class:`remat_nn.Plan` (or None: no remat) a model's ``remat`` option stands for.
+
+    The one reading of the option every registered model shares: a preset name of the model's
+    ``remat_presets`` (``none`` is no remat), a ``Plan``, or a plan mapping ``{save: [...],
+    offload: [...], recompute: [...], default: ...}``. A plan naming an activation the model
+    never produces is refused here, before anything is traced: it would silently do nothing.
+
+    Args:
+      remat: the option's value (not None: the model decides its own default).
+      presets: the model's ``remat_presets``.
+      model: the registered name errors call the model by.
+      names: the activation names the model produces (what a plan may name).
+
+    Raises:
+      ValueError: an unknown preset (with the closest names), a bad plan mapping, a plan naming
+        an activation the model does not produce, or a value of another type.
+
+    >>> import remat_nn as rn
+    >>> presets = {"none": None, "full": rn.plan({"default": "recompute"})}
+    >>> str(remat_option("full", presets=presets, model="m", names=["conv_out"]))
+    'default=recompute'
+    >>> remat_option({"save": ["conv"]}, presets=presets, model="m", names=["conv_out"])
+    Traceback (most recent call last):
+    ...
+    ValueError: m: option remat=<plan save=conv;default=recompute> names ['conv'], which m ...
+    """
+    import remat_nn as rn
+
+    if isinstance(remat, str):
+        if remat not in presets:
+            close = difflib.get_close_matches(remat, list(presets), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{model}: unknown remat preset {remat!r}.{hint} Presets: {list(presets)}; or "
+                "a per-name plan {save: [...], offload: [...], default: recompute}."
+            )
+        return presets[remat]
+    if isinstance(remat, Mapping):
+        try:
+            remat = rn.plan(remat)
+        except rn.PlanError as e:
+            raise ValueError(f"{model}: option remat: {e}") from None
+    if not isinstance(remat, rn.Plan):
+        raise ValueError(
+            f"{model}: option remat must be a preset name ({', '.join(presets)}), a plan mapping "
+            f"or a remat_nn.Plan; got {type(remat).__name__} {remat!r}. Fix: e.g. remat='full'."
+        )
+    unknown = [n for n in remat.names if n not in names]
+    if unknown:
+        raise ValueError(
+            f"{model}: option remat=<plan {remat}> names {unknown}, which {model} never produces, "
+            f"so the plan would silently do nothing for them. Its named activations: "
+            f"{sorted(names)}. Fix: name those, or use a preset ({', '.join(presets)})."
+        )
+    return remat
 
 
 def _load_builtin() -> None:

@@ -11,7 +11,14 @@ RevNet (Gomez et al. 2017): the channels are split into halves (x1, x2) and each
 additive coupling ``y1 = x1 + F(x2); y2 = x2 + G(y1)`` whose F and G are the residual functions
 above on half the channels, so inputs are reconstructed from outputs and activations need not
 be stored. The units that change the resolution or the width (the first of a stage) are not
-invertible and store their activations, as in the paper (Section 3.2).
+invertible and store their activations in the paper (Section 3.2); here they are recomputed in
+the backward pass by default (``remat``, :data:`REMAT_PRESETS`), which at RevNet-164's size
+halves the step's memory.
+
+Both families take a remat plan (the registry's ``remat`` option, ``remat:`` in a config): on
+every ResNet unit, on a RevNet's downsampling units. A ResNet's identical units can run in one
+``nn.scan`` per stage (``scan_units``; :func:`convert_units` converts variables between the two
+layouts).
 
 Architectures (RevNet paper, Table 1; "Channels" lists the stem width then each stage's width,
 the bottleneck width for -164 models whose stage outputs are 4x):
@@ -36,7 +43,9 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import flax.linen as fnn
@@ -46,10 +55,13 @@ import pydantic
 
 import models
 import remat_nn as rn
+from remat_nn import names
 from remat_nn import nn as rnn
 
 __all__ = [
     "ARCHS",
+    "NAMES",
+    "REMAT_PRESETS",
     "Arch",
     "ResNet",
     "ResNetOptions",
@@ -58,6 +70,7 @@ __all__ = [
     "RevNetOptions",
     "build_resnet",
     "build_revnet",
+    "convert_units",
 ]
 
 _BN_MOMENTUM = 0.9  # CIFAR ResNet training recipes (PyTorch momentum 0.1)
@@ -97,6 +110,25 @@ ARCHS: dict[str, Arch] = {
     "revnet110": Arch((9, 9, 9), (32, 64, 128), 32, bottleneck=False),
     "revnet164": Arch((9, 9, 9), (128, 256, 512), 32, bottleneck=True),
 }
+
+#: The activation names these models produce: what a remat plan of theirs may name.
+NAMES = (names.CONV_OUT,)
+
+#: Remat presets of the ResNets and RevNets (their ``remat`` option), each a plan of the units
+#: it applies to (every ResNet unit; a RevNet's non-reversible downsampling units, whose
+#: reversible units reconstruct instead).
+#:
+#: - ``none``: no remat; the backward pass reads what the forward stored.
+#: - ``full``: recompute each unit in the backward pass; only its input is kept.
+#: - ``save_conv_out``: keep each convolution's output (``conv_out``), recompute BatchNorm and
+#:   ReLU (the cheap elementwise part; what ``dots_saveable`` is to a transformer).
+REMAT_PRESETS: Mapping[str, rn.Plan | None] = MappingProxyType(
+    {
+        "none": None,
+        "full": rn.plan({"default": "recompute"}),
+        "save_conv_out": rn.plan({"save": [names.CONV_OUT]}),
+    }
+)
 
 
 # --- building blocks --------------------------------------------------------------------------
@@ -161,6 +193,7 @@ class ResidualFn(fnn.Module):
         for i, (features, kernel, strides) in enumerate(spec):
             x = jax.nn.relu(_bn(train, self.dtype, f"bn{i}")(x))
             x = _conv(features, kernel, strides, self.dtype, f"conv{i}")(x)
+            x = rn.name(x, names.CONV_OUT)
         return x
 
 
@@ -237,6 +270,129 @@ class _Head(fnn.Module):
         return fnn.Dense(self.num_classes, dtype=jnp.float32, name="fc")(x)
 
 
+# --- remat of units ---------------------------------------------------------------------------
+
+
+def _tie_to_cotangent(tree: Any, cotangent: Any) -> Any:
+    # Adds an exact 0 computed from one element of the cotangent to every float leaf: the
+    # backward's recomputation then cannot start before the cotangent exists. XLA:CPU expands
+    # (drops) optimization barriers before scheduling (so prevent_cse's barrier is gone), CSEs
+    # the recomputation with the forward or runs it as soon as its inputs exist: per-unit
+    # jax.checkpoint in unrolled code then holds as much as storing. isfinite(c) * 0 is 0 for
+    # any c (inf and nan included) and XLA does not fold a float multiply by 0.
+    first = jax.tree.leaves(cotangent)[0].ravel()[0]
+    zero = jnp.isfinite(first).astype(jnp.float32) * 0.0  # ()
+
+    def tie(leaf: Any) -> Any:
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return leaf + zero.astype(leaf.dtype)
+        return leaf
+
+    return jax.tree.map(tie, tree)
+
+
+def _call(unit: fnn.Module, x: jax.Array) -> jax.Array:
+    return unit(x)
+
+
+def _call_fwd(unit: fnn.Module, x: jax.Array) -> tuple[jax.Array, Any]:
+    # The VJP of the rematerialized unit keeps what its policy saves (its input, for "full").
+    return fnn.vjp(_call, unit, x)
+
+
+def _call_bwd(vjp_fn: Any, dy: jax.Array) -> Any:
+    return _tie_to_cotangent(vjp_fn, dy)(dy)
+
+
+def _unit(
+    cls: type[fnn.Module], plan: rn.Plan | None, x: jax.Array, *args: Any, name: str
+) -> jax.Array:
+    """``cls(*args, name=name)(x)``, its activations recomputed in the backward under ``plan``.
+
+    The unit is a ``nn.remat`` of ``cls`` (the plan checked against its body) whose VJP is taken
+    in the forward pass and called in the backward pass with its residuals tied to the incoming
+    cotangent, so that the recomputation runs in the backward pass on every backend (see
+    ``_tie_to_cotangent``). Same variables as ``cls`` (BatchNorm statistics updated once, by the
+    forward pass); the gradient equals plain autodiff's.
+    """
+    if plan is None:
+        return cls(*args, name=name)(x)
+    unit = rnn.remat(cls, policy=plan, prevent_cse=False)(*args, name=name)
+    return fnn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd)(unit, x)
+
+
+def _first_scanned(arch: Arch, stage: int) -> int:
+    """Index of the first unit of ``stage`` that keeps its input's shape (1 where the first
+    unit halves the resolution or changes the width, else 0): from it on, the units of the stage
+    are identical and ``scan_units`` runs them in one ``nn.scan``."""
+    width_in = arch.stem if stage == 0 else arch.widths[stage - 1]
+    return 1 if stage > 0 or width_in != arch.widths[stage] else 0
+
+
+def convert_units(tree: Mapping[str, Any], arch: Arch, *, scanned: bool) -> dict[str, Any]:
+    """Converts a ResNet's variables between ``scan_units=False`` and ``scan_units=True``.
+
+    Unscanned, unit ``u`` of stage ``s`` is the top-level entry ``stage{s}_{u}``; scanned, the
+    identical units of a stage (from :func:`_first_scanned` on: all but a first unit that
+    changes the shape) are one entry ``stage{s}`` whose every leaf is stacked on a new leading
+    axis, unit ``u`` at index ``u - first``. Everything else (stem, head, the first units) is
+    the same in both. The conversion is exact (stack / index), so a checkpoint of one layout
+    restores into the other: apply it to each collection (``params``, ``batch_stats``) and to
+    every optimizer state tree shaped like the parameters (momenta), then restore.
+
+    Args:
+      tree: one collection of a ResNet's variables (top-level keys are module names).
+      arch: the ResNet's :class:`Arch`.
+      scanned: convert to the scanned layout (True) or back to the unscanned one (False).
+
+    Returns:
+      The converted collection (a new dict; leaves are not copied where unchanged).
+
+    Raises:
+      ValueError: ``tree`` is not in the other layout (a unit's entry is missing).
+
+    >>> import jax, jax.numpy as jnp
+    >>> arch = ARCHS["resnet32"]
+    >>> x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+    >>> plain = jax.eval_shape(ResNet(arch).init, jax.random.key(0), x)["params"]
+    >>> scan = jax.eval_shape(ResNet(arch, scan_units=True).init, jax.random.key(0), x)["params"]
+    >>> sorted(scan)
+    ['head', 'stage0', 'stage1', 'stage1_0', 'stage2', 'stage2_0', 'stem']
+    >>> scan["stage1"]["fn"]["conv0"]["kernel"].shape   # units 1..4 of stage 1, stacked
+    (4, 3, 3, 32, 32)
+    >>> to_scan = jax.eval_shape(lambda t: convert_units(t, arch, scanned=True), plain)
+    >>> back = jax.eval_shape(lambda t: convert_units(t, arch, scanned=False), scan)
+    >>> to_scan == scan and back == plain   # the same shapes, both ways
+    True
+    """
+    out = dict(tree)
+    for s, n in enumerate(arch.units):
+        first = _first_scanned(arch, s)
+        units = [f"stage{s}_{u}" for u in range(first, n)]
+        if not units:
+            continue
+        have = [k for k in (units if scanned else [f"stage{s}"]) if k not in out]
+        if have:
+            layout = "unscanned" if scanned else "scanned"
+            raise ValueError(
+                f"convert_units(scanned={scanned}): the tree has no {have[0]!r}, so it is not in "
+                f"the {layout} layout of this arch (top-level keys: {sorted(out)}). Fix: pass "
+                f"scanned={not scanned} to convert the other way, or the arch the tree is from."
+            )
+        if scanned:
+            parts = [out.pop(k) for k in units]
+            out[f"stage{s}"] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)  # (L, ...)
+        else:
+            stacked = out.pop(f"stage{s}")
+            for i, k in enumerate(units):
+                out[k] = jax.tree.map(lambda a, i=i: a[i], stacked)
+    return out
+
+
+def _scan_body(unit: fnn.Module, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+    return unit(x), None
+
+
 class ResNet(fnn.Module):
     """Pre-activation CIFAR ResNet: ``apply(variables, images (B, H, W, C), train=bool)``.
 
@@ -244,6 +400,15 @@ class ResNet(fnn.Module):
       arch: the :class:`Arch` (see :data:`ARCHS`).
       num_classes: classifier outputs.
       dtype: compute dtype (parameters and logits float32).
+      remat: the plan of every residual unit (see :data:`REMAT_PRESETS`), or None: no remat.
+        The stem and the head are not rematerialized: the stem's output is the first unit's
+        stored input, and the head's backward runs right after its forward, so neither holds
+        anything across other units.
+      scan_units: run the identical units of each stage (all but a first unit that changes the
+        shape) in one ``nn.scan``, parameters stacked under ``stage{s}``
+        (:func:`convert_units` converts variables between the layouts). Compiles each stage
+        once; XLA:CPU runs convolutions in a loop much slower than unrolled (jax-ml/jax#12868),
+        hence off by default.
 
     >>> import jax, jax.numpy as jnp
     >>> m = ResNet(ARCHS["resnet32"], num_classes=10)
@@ -258,17 +423,34 @@ class ResNet(fnn.Module):
     arch: Arch
     num_classes: int = 10
     dtype: Any = jnp.float32
+    remat: rn.Plan | None = None
+    scan_units: bool = False
 
     @fnn.compact
     def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
         x = _conv(self.arch.stem, 3, 1, self.dtype, "stem")(images.astype(self.dtype))
+        bottleneck = self.arch.bottleneck
         for s, (n, width) in enumerate(zip(self.arch.units, self.arch.widths, strict=True)):
-            for u in range(n):
+            first = _first_scanned(self.arch, s)
+            for u in range(first if self.scan_units else n):
                 strides = 2 if s > 0 and u == 0 else 1
-                unit = ResidualUnit(
-                    width, strides, self.arch.bottleneck, train, self.dtype, name=f"stage{s}_{u}"
+                args = (width, strides, bottleneck, train, self.dtype)
+                x = _unit(ResidualUnit, self.remat, x, *args, name=f"stage{s}_{u}")
+                # x: (B, H / 2^s, W / 2^s, width)
+            if self.scan_units and n > first:
+                cls = ResidualUnit
+                if self.remat is not None:
+                    # Inside scan the recomputation runs in the loop of the backward pass on
+                    # every backend (XLA:CPU included); nothing to tie, no CSE to prevent.
+                    cls = rnn.remat(ResidualUnit, policy=self.remat, prevent_cse=False)
+                scan = fnn.scan(
+                    _scan_body,
+                    variable_axes={"params": 0, "batch_stats": 0},
+                    split_rngs={"params": True},
+                    length=n - first,
                 )
-                x = unit(x)  # (B, H / 2^s, W / 2^s, width)
+                unit = cls(width, 1, bottleneck, train, self.dtype, name=f"stage{s}")
+                x, _ = scan(unit, x, None)  # (B, H / 2^s, W / 2^s, width)
         return _Head(self.num_classes, train, self.dtype, name="head")(x)
 
 
@@ -335,6 +517,12 @@ class RevNet(fnn.Module):
         in ``dtype`` and their outputs are added in ``recon_dtype``, so the backward's
         reconstruction ``x1 = y1 - F(x2)`` is float32 under bfloat16 compute and does not drift
         with depth (``bfloat16`` here is the drifting variant, for tests).
+      remat: the plan of the non-reversible downsampling units (see :data:`REMAT_PRESETS`), or
+        None: they store their activations, as in the paper. At RevNet-164's size they hold most
+        of the step's memory, and ``full`` recomputes them in the backward pass from their
+        inputs (the registry's default for ``reversible=True``; see :func:`build_revnet`).
+        Reversible units reconstruct instead, and stem and head hold nothing across units
+        (see :class:`ResNet`), so the plan applies to the downsampling units only.
 
     >>> import jax, jax.numpy as jnp
     >>> m = RevNet(ARCHS["revnet38"], num_classes=10)
@@ -357,6 +545,7 @@ class RevNet(fnn.Module):
     anchor_every: int | None = None
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
+    remat: rn.Plan | None = None
 
     @fnn.compact
     def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
@@ -364,10 +553,9 @@ class RevNet(fnn.Module):
         for s, (n, width) in enumerate(zip(self.arch.units, self.arch.widths, strict=True)):
             strides = 2 if s > 0 else 1
             if strides != 1 or x.shape[-1] != width:
-                down = RevDownsample(
-                    width, strides, self.arch.bottleneck, train, self.dtype, name=f"stage{s}_down"
-                )
-                x = down(x)  # (B, H / 2^s, W / 2^s, width), activations stored
+                args = (width, strides, self.arch.bottleneck, train, self.dtype)
+                # (B, H / 2^s, W / 2^s, width); activations stored, or recomputed under remat
+                x = _unit(RevDownsample, self.remat, x, *args, name=f"stage{s}_down")
                 n -= 1
             if n == 0:
                 continue
@@ -392,23 +580,24 @@ class _ImageOptions(pydantic.BaseModel):
 
     #: The registered name errors call the model by (each registered variant sets its own).
     registered_name: ClassVar[str] = ""
-    #: Why the model takes no remat plan, and the fix (the ``remat`` option's error).
-    remat_refusal: ClassVar[str] = ""
 
     width: float = pydantic.Field(1.0, gt=0, description="multiplier of every channel width")
     num_classes: pydantic.PositiveInt = 10
     image_size: pydantic.PositiveInt = pydantic.Field(32, description="H = W of the input")
     in_channels: pydantic.PositiveInt = 3
     dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: None = pydantic.Field(None, description="takes no remat plan (only null)")
+    remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
+        None,
+        description=f"a preset of REMAT_PRESETS ({', '.join(REMAT_PRESETS)}), a per-name "
+        "plan mapping or a remat_nn.Plan; null: the model's default",
+    )
 
     @pydantic.field_validator("remat", mode="before")
     @classmethod
-    def _no_remat(cls, v: Any) -> None:
-        # Explicit, so a plan or preset is refused naming the model, not as an unknown type.
+    def _remat(cls, v: Any) -> Any:
+        # Checked as models.remat_option reads it (one message, naming the model); kept as given.
         if v is not None:
-            shown = f"<plan {v}>" if isinstance(v, rn.Plan) else repr(v)
-            raise ValueError(f"{cls.registered_name}: option remat={shown}: {cls.remat_refusal}")
+            models.remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
         return v
 
 
@@ -416,38 +605,51 @@ class ResNetOptions(_ImageOptions):
     """Options of the ResNet baselines (unknown keys rejected)."""
 
     registered_name: ClassVar[str] = "resnet"
-    remat_refusal: ClassVar[str] = (
-        "ResNet takes no remat plan (its activations are not named for one). Fix: drop remat; "
-        "for activation memory that does not grow with depth, train a revnet."
-    )
     depth: Literal[32, 110, 164] = 32
+    scan_units: bool = pydantic.Field(
+        False, description="identical units of a stage in one nn.scan (parameters stacked)"
+    )
 
 
 class RevNetOptions(_ImageOptions):
     """Options of the RevNets (unknown keys rejected)."""
 
     registered_name: ClassVar[str] = "revnet"
-    remat_refusal: ClassVar[str] = (
-        "RevNet takes no remat plan: its reversible blocks reconstruct their activations in the "
-        "backward pass instead of storing them (reversible=false is the plain-autodiff "
-        "reference). Fix: drop remat."
-    )
     depth: Literal[38, 110, 164] = 38
     reversible: bool = True
     anchor_every: pydantic.PositiveInt | None = None
 
 
+def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
+    value = default if remat is None else remat
+    return models.remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
+
+
 def build_resnet(
-    *, depth: int = 32, width: float = 1.0, num_classes: int = 10, dtype: str = "float32", **_: Any
+    *,
+    depth: int = 32,
+    width: float = 1.0,
+    num_classes: int = 10,
+    dtype: str = "float32",
+    remat: str | Mapping[str, Any] | rn.Plan | None = None,
+    scan_units: bool = False,
+    **_: Any,
 ) -> ResNet:
     """Builds ResNet-``depth`` (32, 110 or 164); ``image_size`` / ``in_channels`` are read by
-    callers that make inputs (the network is fully convolutional).
+    callers that make inputs (the network is fully convolutional). ``remat``: a preset of
+    :data:`REMAT_PRESETS`, a plan mapping or a Plan, applied to every unit; unset: ``none`` (the
+    baseline stores every activation).
 
     >>> build_resnet(depth=164).arch.bottleneck
     True
+    >>> str(build_resnet(remat="full", scan_units=True).remat)
+    'default=recompute'
     """
     arch = ARCHS[f"resnet{depth}"].scaled(width)
-    return ResNet(arch, num_classes=num_classes, dtype=jnp.dtype(dtype))
+    plan = _plan(remat, "none", f"resnet{depth}")
+    return ResNet(
+        arch, num_classes=num_classes, dtype=jnp.dtype(dtype), remat=plan, scan_units=scan_units
+    )
 
 
 def build_revnet(
@@ -458,12 +660,21 @@ def build_revnet(
     dtype: str = "float32",
     reversible: bool = True,
     anchor_every: int | None = None,
+    remat: str | Mapping[str, Any] | rn.Plan | None = None,
     **_: Any,
 ) -> RevNet:
     """Builds RevNet-``depth`` (38, 110 or 164); see :class:`RevNet` for the options.
 
+    ``remat`` (the downsampling units' plan) unset: ``full`` with ``reversible=True`` (a RevNet
+    is trained for its memory, and the three stored downsampling units would hold most of it:
+    86% at RevNet-164's size, and recomputing them costs one more forward pass of those 2 or 3
+    units per step), ``none`` with ``reversible=False`` (the plain-autodiff reference keeps
+    everything). ``remat=none`` is the paper's RevNet, downsampling activations stored.
+
     >>> build_revnet(depth=110).arch.widths
     (32, 64, 128)
+    >>> str(build_revnet().remat), build_revnet(reversible=False).remat
+    ('default=recompute', None)
     """
     arch = ARCHS[f"revnet{depth}"].scaled(width)
     return RevNet(
@@ -472,6 +683,7 @@ def build_revnet(
         reversible=reversible,
         anchor_every=anchor_every,
         dtype=jnp.dtype(dtype),
+        remat=_plan(remat, "full" if reversible else "none", f"revnet{depth}"),
     )
 
 
@@ -483,7 +695,8 @@ def _register() -> None:
     for family, (options, build, doc) in families.items():
         depths = options.model_fields["depth"].annotation.__args__
         doc_family = f"{doc}, option depth in {list(depths)}"
-        models.register(family, models.ModelSpec(build, options, "classify", doc_family))
+        spec = models.ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS)
+        models.register(family, spec)
         for depth in depths:
             fixed = pydantic.create_model(
                 f"{options.__name__}{depth}",
@@ -492,7 +705,8 @@ def _register() -> None:
             )
             fixed.registered_name = f"{family}{depth}"
             title = {"resnet": "ResNet", "revnet": "RevNet"}[family]
-            spec = models.ModelSpec(build, fixed, "classify", f"{title}-{depth}: {doc}")
+            doc_depth = f"{title}-{depth}: {doc}"
+            spec = models.ModelSpec(build, fixed, "classify", doc_depth, REMAT_PRESETS)
             models.register(f"{family}{depth}", spec)
 
 

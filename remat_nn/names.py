@@ -24,6 +24,7 @@ __all__ = [
     "ACTIVATIONS",
     "ATTENTION_SCORES",
     "CONTEXT",
+    "CONV_OUT",
     "COUPLING_F",
     "COUPLING_G",
     "DECODER_LAYER_INPUT",
@@ -56,6 +57,7 @@ MLP_OUT = "mlp_out"
 RESIDUAL_BODY = "residual_body"
 COUPLING_F = "coupling_f"
 COUPLING_G = "coupling_g"
+CONV_OUT = "conv_out"
 
 #: name -> where it is produced and its typical shape. The one place each name is documented.
 ACTIVATIONS: Mapping[str, str] = MappingProxyType(
@@ -74,6 +76,8 @@ ACTIVATIONS: Mapping[str, str] = MappingProxyType(
         RESIDUAL_BODY: "output of a RematBlock's body, before `x + body(x)`; shape of x",
         COUPLING_F: "F(x2) inside a reversible coupling; shape of one half of the input",
         COUPLING_G: "G(y1) inside a reversible coupling; shape of one half of the input",
+        CONV_OUT: "output of each convolution of a CNN residual function (models.revnet's"
+        " ResidualFn, in ResNet units and RevNet F / G), before its BatchNorm; (B, H, W, C)",
     }
 )
 
