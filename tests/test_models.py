@@ -192,13 +192,15 @@ def test_transformer_takes_a_plan_as_its_remat_option():
 
 
 @pytest.mark.parametrize("name", ["revnet38", "revnet", "resnet32", "resnet110"])
-def test_image_models_refuse_a_remat_plan_naming_the_model_and_the_option(name):
-    assert models.build(name, remat=None) == models.build(name)
-    title = {"revnet": "RevNet", "resnet": "ResNet"}[name.rstrip("0123456789")]
-    for given, shown in ((rn.plan({"save": ["x"]}), "<plan save=x"), ("full", "'full'")):
-        with pytest.raises(pydantic.ValidationError, match=f"{name}: option remat={shown}") as e:
-            models.build(name, remat=given)
-        assert f"{title} takes no remat plan" in str(e.value)
+def test_image_models_refuse_a_plan_that_would_do_nothing_naming_the_model_and_the_option(name):
+    # Image models take plans on their `conv_out` activations; a name they never produce, or an
+    # unknown preset, is refused at build with the model, the option and the fix named.
+    assert models.build(name, remat="save_conv_out") != models.build(name, remat="none")
+    with pytest.raises(pydantic.ValidationError, match=f"{name}: option remat=<plan save=x") as e:
+        models.build(name, remat=rn.plan({"save": ["x"]}))
+    assert "never produces" in str(e.value) and "['conv_out']" in str(e.value)
+    with pytest.raises(pydantic.ValidationError, match=f"{name}: unknown remat preset 'fulll'"):
+        models.build(name, remat="fulll")
 
 
 @pytest.mark.parametrize("preset", ["qkv_proj_offloaded", "minimal_offloaded"])
