@@ -21,6 +21,7 @@ from benchmarks import _common
 #: benchmark name -> module (each has ``run(quick: bool) -> Result``).
 BENCHMARKS = {
     "depth": "benchmarks.depth",
+    "remat_scan": "benchmarks.remat_scan",
     "invertible": "benchmarks.invertible",
     "revnet": "benchmarks.revnet",
     "transformer": "benchmarks.transformer",

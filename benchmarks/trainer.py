@@ -90,13 +90,25 @@ class _Bare:
 def run(quick: bool = False) -> Result:
     total, rounds = (60, 1) if quick else (125, 3)
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [f"run_dir={tmp}/run", f"train.steps={total}", "train.eval_every=0",
-                     "train.eval_batches=1", "train.plot=false",
-                     "train.progress='off'"]  # fmt: skip
+        overrides = [
+            f"run_dir={tmp}/run",
+            f"train.steps={total}",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.plot=false",
+            "train.progress='off'",
+        ]
         if quick:  # tiny: log / checkpoint intervals scaled down to fit 60 steps
-            overrides = [*overrides, "model.options.d_model=32", "model.options.n_layers=2",
-                         "data.batch_size=8", "data.seq_len=32", "model.options.max_len=32",
-                         "train.log_every=10", "checkpoint.every=30"]  # fmt: skip
+            overrides = [
+                *overrides,
+                "model.options.d_model=32",
+                "model.options.n_layers=2",
+                "data.batch_size=8",
+                "data.seq_len=32",
+                "model.options.max_len=32",
+                "train.log_every=10",
+                "checkpoint.every=30",
+            ]
         cfg = load_config(CONFIG, overrides)
         bare, again = _Bare(cfg), _Bare(cfg)
         for b in (bare, again):
@@ -151,10 +163,15 @@ def run(quick: bool = False) -> Result:
     ax.barh(["bare jit loop", "python -m train"], [bare_rate, rate], color=["tab:gray", "tab:blue"])
     ax.set_xlabel("steps / s")
     ax.set_title(f"Trainer overhead: {frac:.1%} of a bare jit loop", fontsize=8)
+    # The bare loop is the trainer's upper bound: a trainer measured faster beyond the noise
+    # says the two were not timed alike (load that changed between them), not that it is met.
+    judged = verdict(frac, 0.97, noise, at_most=False)
+    if frac - 1 > noise:
+        judged = "inconclusive (trainer faster than its upper bound beyond the noise)"
     targets = [
         Target(
             "trainer steps/s >= 97% of a bare jit loop",
-            verdict(frac, 0.97, noise, at_most=False),
+            judged,
             f"{frac:.1%}{above} ({rate:.2f} vs {bare_rate:.2f} steps/s, medians)",
             times.noise_text(),
         )

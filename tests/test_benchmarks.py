@@ -52,7 +52,7 @@ def test_quick_benchmark_writes_results_and_the_readme_rows(name: str, tmp_path:
     # Every timing verdict carries its noise; the summary lists this benchmark's targets.
     targets = _common.targets_of(md)
     for claim, met, _figure, noise in targets:
-        assert met in ("yes", "NO", "within noise"), (claim, met)
+        assert met in ("yes", "NO", "within noise") or met.startswith("inconclusive"), (claim, met)
         assert noise == "exact" or "vs itself" in noise, (claim, noise)
     summary = (tmp_path / "summary_quick.md").read_text()
     assert all(claim in summary for claim, *_ in targets)
