@@ -30,16 +30,9 @@ import pytest
 import models
 from tests.trainer_cli import launch
 from train import integrity
+from train.faults import KILL_POINTS
 
 MODEL = "tiny_mlp_for_fault_tests"
-KILL_POINTS = (
-    "before_save",
-    "during_async_write",
-    "after_data_written",
-    "before_finalize",
-    "after_finalize_before_cleanup",
-    "during_restore",
-)
 
 
 class Options(pydantic.BaseModel):

@@ -32,21 +32,19 @@ import os
 import signal
 import time
 
-__all__ = ["ENV", "POINTS", "active", "enospc", "kill_if", "nan_steps", "signal_if"]
+__all__ = ["ENV", "KILL_POINTS", "POINTS", "active", "enospc", "kill_if", "nan_steps", "signal_if"]
 
 ENV = "REMAT_NN_FAULT"
-POINTS = (
+#: Points where the process SIGKILLs itself, in the order a save then a restore reaches them.
+KILL_POINTS = (
     "before_save",
     "during_async_write",
     "after_data_written",
     "before_finalize",
     "after_finalize_before_cleanup",
     "during_restore",
-    "enospc",
-    "nan",
-    "sigterm",
-    "sigint",
 )
+POINTS = (*KILL_POINTS, "enospc", "nan", "sigterm", "sigint")
 
 
 @functools.cache
