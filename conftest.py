@@ -7,6 +7,10 @@
 - Warnings are errors (pyproject.toml); each ignore there carries its reason.
 - JAX's persistent compilation cache in a temporary directory: an in-process run
   (``train.loop.run``) never writes one into the repository or the user's cache.
+- XLA:CPU's code generation at ``-O0`` (``TEST_XLA_FLAGS``, in this process and the ones tests
+  start): the suite checks values, gradients and compiled memory, which XLA's HLO passes decide
+  whatever the backend's optimisation level; only the speed of the generated code changes, and a
+  compile takes a third to a half of the time (the suite is mostly compiles).
 - ``jax_upgrade_flags``: runs a test twice, as JAX is today and with the upgrade flags that
   become its defaults (``jax_remat3``, ``jax_custom_vjp3``).
 """
@@ -16,7 +20,10 @@ import os
 import jax
 import pytest
 
+from tests.trainer_cli import TEST_XLA_FLAGS
+
 # Before any backend is initialised (importing jax initialises none).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.ports import held_port
+from tests.trainer_cli import TEST_XLA_FLAGS
 from train import checkpoint as ckpt_lib
 from train import integrity
 from train.checkpoint import Checkpointer, CheckpointError, rematerialize
@@ -484,7 +485,7 @@ def _two_workers(tmp_path, port: int) -> list[dict]:
         f"t._worker({str(tmp_path / 'run')!r}, {str(tmp_path / 'other')!r})"
     )
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(i)],

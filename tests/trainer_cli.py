@@ -1,8 +1,8 @@
 """``python -m train`` in a fresh process, with a test module's model registered first.
 
 Shared by the fault, run and multi-process tests: the child sees the CPU platform with
-``devices`` fake devices, none of the parent's ``XLA_FLAGS`` or fault point unless given, and
-its combined stdout and stderr on ``proc.stdout``.
+``devices`` fake devices, the suite's ``XLA_FLAGS`` (:data:`TEST_XLA_FLAGS`) in place of the
+parent's, no fault point unless given, and its combined stdout and stderr on ``proc.stdout``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# XLA:CPU's code generation at -O0, in the test process (conftest.py) and every process a test
+# starts, so a child computes bit for bit what the parent does and compiles in a third of the time.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def launch(
@@ -31,7 +35,7 @@ def launch(
         f"raise SystemExit(main({argv!r}))"
     )
     child_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
-    child_env.pop("XLA_FLAGS", None)
+    child_env["XLA_FLAGS"] = TEST_XLA_FLAGS
     child_env.pop("REMAT_NN_FAULT", None)
     child_env.update(env or {})
     return subprocess.Popen(
