@@ -57,6 +57,7 @@ import models
 import remat_nn as rn
 from remat_nn import names
 from remat_nn import nn as rnn
+from remat_nn._tie import tie_to_cotangent
 
 __all__ = [
     "ARCHS",
@@ -273,24 +274,6 @@ class _Head(fnn.Module):
 # --- remat of units ---------------------------------------------------------------------------
 
 
-def _tie_to_cotangent(tree: Any, cotangent: Any) -> Any:
-    # Adds an exact 0 computed from one element of the cotangent to every float leaf: the
-    # backward's recomputation then cannot start before the cotangent exists. XLA:CPU expands
-    # (drops) optimization barriers before scheduling (so prevent_cse's barrier is gone), CSEs
-    # the recomputation with the forward or runs it as soon as its inputs exist: per-unit
-    # jax.checkpoint in unrolled code then holds as much as storing. isfinite(c) * 0 is 0 for
-    # any c (inf and nan included) and XLA does not fold a float multiply by 0.
-    first = jax.tree.leaves(cotangent)[0].ravel()[0]
-    zero = jnp.isfinite(first).astype(jnp.float32) * 0.0  # ()
-
-    def tie(leaf: Any) -> Any:
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            return leaf + zero.astype(leaf.dtype)
-        return leaf
-
-    return jax.tree.map(tie, tree)
-
-
 def _call(unit: fnn.Module, x: jax.Array) -> jax.Array:
     return unit(x)
 
@@ -301,7 +284,7 @@ def _call_fwd(unit: fnn.Module, x: jax.Array) -> tuple[jax.Array, Any]:
 
 
 def _call_bwd(vjp_fn: Any, dy: jax.Array) -> Any:
-    return _tie_to_cotangent(vjp_fn, dy)(dy)
+    return tie_to_cotangent(vjp_fn, dy)(dy)
 
 
 def _unit(
@@ -312,7 +295,7 @@ def _unit(
     The unit is a ``nn.remat`` of ``cls`` (the plan checked against its body) whose VJP is taken
     in the forward pass and called in the backward pass with its residuals tied to the incoming
     cotangent, so that the recomputation runs in the backward pass on every backend (see
-    ``_tie_to_cotangent``). Same variables as ``cls`` (BatchNorm statistics updated once, by the
+    ``remat_nn._tie``). Same variables as ``cls`` (BatchNorm statistics updated once, by the
     forward pass); the gradient equals plain autodiff's.
     """
     if plan is None:
@@ -523,6 +506,8 @@ class RevNet(fnn.Module):
         inputs (the registry's default for ``reversible=True``; see :func:`build_revnet`).
         Reversible units reconstruct instead, and stem and head hold nothing across units
         (see :class:`ResNet`), so the plan applies to the downsampling units only.
+      unroll: ``unroll`` of the reversible stages' scans (``nn.ReversibleSequence``); ``None``:
+        its default for convolutional blocks (unrolled on CPU, a loop on GPU/TPU). Speed only.
 
     >>> import jax, jax.numpy as jnp
     >>> m = RevNet(ARCHS["revnet38"], num_classes=10)
@@ -546,6 +531,7 @@ class RevNet(fnn.Module):
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
     remat: rn.Plan | None = None
+    unroll: int | bool | None = None
 
     @fnn.compact
     def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
@@ -566,6 +552,7 @@ class RevNet(fnn.Module):
                 anchor_every=_anchor(self.anchor_every, n),
                 recon_dtype=self.recon_dtype,
                 reversible=self.reversible,
+                unroll=self.unroll,
                 name=f"stage{s}",
             )
             x = stack(x, train=train)  # (B, H / 2^s, W / 2^s, width), halves split on channels
@@ -618,6 +605,11 @@ class RevNetOptions(_ImageOptions):
     depth: Literal[38, 110, 164] = 38
     reversible: bool = True
     anchor_every: pydantic.PositiveInt | None = None
+    unroll: bool | pydantic.PositiveInt | None = pydantic.Field(
+        None,
+        description="unroll of the reversible stages' scans (true: no loop, n: n units per "
+        "iteration); null: unrolled on CPU, a loop on GPU/TPU",
+    )
 
 
 def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
@@ -661,6 +653,7 @@ def build_revnet(
     reversible: bool = True,
     anchor_every: int | None = None,
     remat: str | Mapping[str, Any] | rn.Plan | None = None,
+    unroll: int | bool | None = None,
     **_: Any,
 ) -> RevNet:
     """Builds RevNet-``depth`` (38, 110 or 164); see :class:`RevNet` for the options.
@@ -684,6 +677,7 @@ def build_revnet(
         anchor_every=anchor_every,
         dtype=jnp.dtype(dtype),
         remat=_plan(remat, "full" if reversible else "none", f"revnet{depth}"),
+        unroll=unroll,
     )
 
 

@@ -36,6 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn._jax_internals import sub_jaxprs
+from remat_nn._tie import tie, zero_after
+
 __all__ = [
     "ReversibleBlock",
     "check_invertible",
@@ -245,28 +248,38 @@ def _unsegment(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
 
 
-def _forward_layers(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree):
+def _forward_layers(
+    block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree, unroll: int | bool
+):
     def step(carry, layer):
         p, c = layer
         y, new_consts = block.forward(p, c, carry)
         return y, new_consts
 
-    return jax.lax.scan(step, x, (params, consts))
+    return jax.lax.scan(step, x, (params, consts), unroll=unroll)
 
 
-def _backward_layers(block: ReversibleBlock, params, consts, y, dy):
+def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll: int | bool):
     def step(carry, layer):
-        y, dy = carry
-        p, c = layer
+        y, dy, after = carry
+        # This block's parameters are tied to the previous step's gradients, so its
+        # reconstruction cannot start before that step's backward is done: unrolled, XLA would
+        # otherwise reconstruct every block first and hold them all. (Tying the parameters, not
+        # the activations: XLA fuses a tie into every consumer of the tied value, and a fused
+        # tie on an activation keeps the buffers it is computed from alive, layer after layer.)
+        p, c = tie(layer, after)
         if block.backward is not None:
             x, dp, dx = block.backward(p, c, y, dy)
         else:
             x = block.inverse(p, c, y)
             _, vjp = jax.vjp(lambda p_, x_: block.forward(p_, c, x_)[0], p, x)
             dp, dx = vjp(dy)
-        return (x, _cast(dx, jax.tree.map(lambda a: a.dtype, dy))), dp
+        dx = _cast(dx, jax.tree.map(lambda a: a.dtype, dy))
+        return (x, dx, zero_after((dp, dx), after.dtype)), dp
 
-    (_, dx), dparams = jax.lax.scan(step, (y, dy), (params, consts), reverse=True)
+    # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
+    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype))
+    (_, dx, _), dparams = jax.lax.scan(step, carry, (params, consts), reverse=True, unroll=unroll)
     return dx, dparams
 
 
@@ -287,21 +300,61 @@ def _validate_anchor(anchor_every: int | None, depth: int) -> int:
     return anchor_every
 
 
-def _make_reversible(block: ReversibleBlock, num_segments: int) -> Callable:
+def _convolves(jaxpr: Any) -> bool:
+    return any(
+        eqn.primitive.name == "conv_general_dilated" or any(map(_convolves, sub_jaxprs(eqn)))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _unroll(
+    unroll: int | bool | None,
+    fn: str,
+    block: ReversibleBlock,
+    params: PyTree,
+    consts: PyTree,
+    x: PyTree,
+) -> int | bool:
+    """``unroll`` of every scan over layers, checked; ``None``: the measured default.
+
+    Measured on XLA:CPU (benchmarks/revnet.py, "unroll"): a stack of convolutional blocks runs
+    many times faster unrolled (XLA:CPU runs convolutions in a while loop slowly,
+    jax-ml/jax#12868), a stack of dense blocks runs faster as a loop and compiles in a fraction
+    of the time. So the default unrolls on CPU exactly when the block convolves (read from the
+    jaxpr of one block; nothing is compiled). GPU/TPU run loops at full speed and compile a loop
+    once: a loop (not measured here, there is no accelerator).
+    """
+    if unroll is None:
+        if jax.default_backend() != "cpu":
+            return 1
+        shape = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)  # noqa: E731
+        layer = jax.tree.map(shape, (params, consts))
+        xs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+        return _convolves(jax.make_jaxpr(block.forward)(*layer, xs).jaxpr) or 1
+    if isinstance(unroll, bool) or (isinstance(unroll, int) and unroll >= 1):
+        return unroll
+    raise ValueError(
+        f"{fn}: `unroll` must be a positive int, True/False or None, got {unroll!r}. Fix: "
+        "unroll=True (every layer unrolled), unroll=1 (a rolled loop) or None (the measured "
+        "default for the backend and block)."
+    )
+
+
+def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bool) -> Callable:
     """The custom_vjp of a stack split into ``num_segments`` anchored segments."""
 
     def forward(params, consts, x):
         if num_segments == 1:
-            y, new_consts = _forward_layers(block, params, consts, x)
+            y, new_consts = _forward_layers(block, params, consts, x, unroll)
             return y, new_consts, None
 
         def segment(carry, seg):
             seg_params, seg_consts = seg
-            y, new_consts = _forward_layers(block, seg_params, seg_consts, carry)
+            y, new_consts = _forward_layers(block, seg_params, seg_consts, carry, unroll)
             return y, (new_consts, y)
 
         segs = (_segments(params, num_segments), _segments(consts, num_segments))
-        y, (new_consts, ends) = jax.lax.scan(segment, x, segs)
+        y, (new_consts, ends) = jax.lax.scan(segment, x, segs, unroll=unroll)
         # ends[s] is the output of segment s (the input of segment s + 1); the last one is y.
         anchors = jax.tree.map(lambda a: a[:-1], ends)
         return y, _unsegment(new_consts), anchors
@@ -321,17 +374,17 @@ def _make_reversible(block: ReversibleBlock, num_segments: int) -> Callable:
         params, consts, y, anchors = res
         dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
         if num_segments == 1:
-            dx, dparams = _backward_layers(block, params, consts, y, dy)
+            dx, dparams = _backward_layers(block, params, consts, y, dy, unroll)
             return dparams, None, dx
 
         def segment(dy, seg):
             p, c, end = seg
-            dx, dp = _backward_layers(block, p, c, end, dy)
+            dx, dp = _backward_layers(block, p, c, end, dy, unroll)
             return dx, dp
 
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
         segs = (_segments(params, num_segments), _segments(consts, num_segments), ends)
-        dx, dparams = jax.lax.scan(segment, dy, segs, reverse=True)
+        dx, dparams = jax.lax.scan(segment, dy, segs, reverse=True, unroll=unroll)
         return _unsegment(dparams), None, dx
 
     run.defvjp(run_fwd, run_bwd)
@@ -346,6 +399,7 @@ def reversible_scan(
     *,
     anchor_every: int | None = None,
     recon_dtype: Any = None,
+    unroll: int | bool | None = None,
 ) -> tuple[PyTree, PyTree]:
     """Applies ``depth`` invertible blocks with a backward that reconstructs, not stores.
 
@@ -367,6 +421,14 @@ def reversible_scan(
       recon_dtype: carry the residual stream, and reconstruct, in this dtype (e.g.
         ``jnp.float32`` when the blocks compute in bfloat16). The output is cast back to the
         dtype of ``x``.
+      unroll: ``unroll`` of ``lax.scan``, the same for the forward scan and the backward's
+        reverse scan (and the segment scans of ``anchor_every``): a positive int (blocks per
+        loop iteration) or ``True`` (no loop). It changes speed and compile time, not the
+        results or what is stored: the custom VJP saves the same residuals either way
+        (unrolled, XLA may also keep a parameter-sized copy of per-layer slices). ``None``
+        (default): ``True`` on CPU when the block convolves (XLA:CPU runs convolutions in a
+        loop many times slower than unrolled, jax-ml/jax#12868), else ``1`` (dense blocks run
+        faster as a loop on CPU and compile once; GPU/TPU run loops at full speed).
 
     Returns:
       ``(y, new_consts)``: the output of the last block, and the per-layer ``new_consts`` of
@@ -396,7 +458,8 @@ def reversible_scan(
     num_segments = depth // _validate_anchor(anchor_every, depth)
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
-    y, new_consts = _make_reversible(block, num_segments)(params, consts, stream)
+    unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
+    y, new_consts = _make_reversible(block, num_segments, unroll)(params, consts, stream)
     return _cast(y, dtypes), new_consts
 
 
@@ -407,12 +470,13 @@ def plain_scan(
     consts: PyTree = None,
     *,
     recon_dtype: Any = None,
+    unroll: int | bool | None = None,
 ) -> tuple[PyTree, PyTree]:
     """The same stack as :func:`reversible_scan`, differentiated by plain autodiff.
 
     The baseline: every block's activations are saved for the backward, so memory grows
     linearly with depth. Same arguments and results as :func:`reversible_scan` (``recon_dtype``
-    sets the dtype of the residual stream, as there).
+    and ``unroll`` as there).
 
     >>> import jax.numpy as jnp, remat_nn as rn
     >>> block = rn.coupling_block(lambda p, c, x: (x * p, c), lambda p, c, x: (x * p, c))
@@ -422,7 +486,8 @@ def plain_scan(
     _depth(params, consts)
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
-    y, new_consts = _forward_layers(block, params, consts, stream)
+    unroll = _unroll(unroll, "plain_scan", block, params, consts, stream)
+    y, new_consts = _forward_layers(block, params, consts, stream, unroll)
     return _cast(y, dtypes), new_consts
 
 
@@ -433,11 +498,13 @@ def inverse_scan(
     consts: PyTree = None,
     *,
     recon_dtype: Any = None,
+    unroll: int | bool | None = None,
 ) -> PyTree:
     """Inverts a stack: the input ``x`` of :func:`reversible_scan` given its output ``y``.
 
     Runs ``block.inverse`` from the last layer to the first. Not differentiable by design
-    (use it to measure drift, or to invert a flow).
+    (use it to measure drift, or to invert a flow). ``recon_dtype`` and ``unroll`` as in
+    :func:`reversible_scan`.
 
     >>> import jax.numpy as jnp, remat_nn as rn
     >>> block = rn.coupling_block(lambda p, c, x: (x * p, c), lambda p, c, x: (x * p, c))
@@ -447,12 +514,13 @@ def inverse_scan(
     _depth(params, consts)
     dtypes = jax.tree.map(lambda a: a.dtype, y)
     stream = _cast(y, _stream_dtypes(y, recon_dtype))
+    unroll = _unroll(unroll, "inverse_scan", block, params, consts, stream)
 
     def step(carry, layer):
         p, c = layer
         return block.inverse(p, c, carry), None
 
-    x, _ = jax.lax.scan(step, stream, (params, consts), reverse=True)
+    x, _ = jax.lax.scan(step, stream, (params, consts), reverse=True, unroll=unroll)
     return _cast(x, dtypes)
 
 

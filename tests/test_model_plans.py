@@ -197,7 +197,11 @@ def test_revnet_downsampling_remat_lowers_compiled_temp():
     arch = R.Arch((2, 2, 2), (16, 32, 64), 16, bottleneck=True)
     stored = _temp(R.RevNet(arch)).temp_size_in_bytes
     recomputed = _temp(R.RevNet(arch, remat=FULL)).temp_size_in_bytes
-    assert recomputed < 0.7 * stored, (recomputed, stored)
+    # Measured 0.78 (0.75 with the stacks rolled); 1.00 with the plan ignored or without the
+    # unit's cotangent tie (models/revnet.py). It was 0.62 before the reversible backward was
+    # ordered block by block (remat_nn/_tie.py), which took the stored variant's temp from
+    # 6.52 MB to 5.22 MB: the baseline fell, the recomputed variant did not rise.
+    assert recomputed < 0.85 * stored, (recomputed, stored)
 
 
 # --- the registry hook and its errors -------------------------------------------------------------
