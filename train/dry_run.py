@@ -30,7 +30,12 @@ def dry_run_report(exp: Experiment) -> None:
     from train.dtypes import matmul_operand_dtypes
 
     say, cfg = exp.say, exp.cfg
-    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+    # Shapes only: nothing here reads a parameter's value, so none is made (no init compile,
+    # no memory taken). BatchNorm statistics are arrays, as the loss closes over them.
+    state = exp.abstract
+    batch_stats = jax.tree.map(
+        lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), state.batch_stats
+    )
     say("parameters:")
     for path, n in _param_groups(state.params):
         say(f"  {path:<40} {n:>12,}")
@@ -47,7 +52,7 @@ def dry_run_report(exp: Experiment) -> None:
     key = jax.random.key(0)
 
     def loss_of_params(params):
-        return loss_fn(params, state.batch_stats, batch, key)[0]
+        return loss_fn(params, batch_stats, batch, key)[0]
 
     counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
     say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
