@@ -317,12 +317,12 @@ def _unroll(
 ) -> int | bool:
     """``unroll`` of every scan over layers, checked; ``None``: the measured default.
 
-    Measured on XLA:CPU (benchmarks/revnet.py, "unroll"): a stack of convolutional blocks runs
-    many times faster unrolled (XLA:CPU runs convolutions in a while loop slowly,
-    jax-ml/jax#12868), a stack of dense blocks runs faster as a loop and compiles in a fraction
-    of the time. So the default unrolls on CPU exactly when the block convolves (read from the
-    jaxpr of one block; nothing is compiled). GPU/TPU run loops at full speed and compile a loop
-    once: a loop (not measured here, there is no accelerator).
+    Measured on XLA:CPU (benchmarks/revnet.py, "Unrolled reversible stacks"): a stack of
+    convolutional blocks runs many times faster unrolled (XLA:CPU runs convolutions in a while
+    loop slowly, jax-ml/jax#12868); a stack of dense blocks runs no faster unrolled and compiles
+    several times longer. So the default unrolls on CPU exactly when the block convolves (read
+    from the jaxpr of one block; nothing is compiled). GPU/TPU run loops at full speed and
+    compile a loop once: a loop (not measured here, there is no accelerator).
     """
     if unroll is None:
         if jax.default_backend() != "cpu":
@@ -427,8 +427,8 @@ def reversible_scan(
         results or what is stored: the custom VJP saves the same residuals either way
         (unrolled, XLA may also keep a parameter-sized copy of per-layer slices). ``None``
         (default): ``True`` on CPU when the block convolves (XLA:CPU runs convolutions in a
-        loop many times slower than unrolled, jax-ml/jax#12868), else ``1`` (dense blocks run
-        faster as a loop on CPU and compile once; GPU/TPU run loops at full speed).
+        loop many times slower than unrolled, jax-ml/jax#12868), else ``1`` (dense blocks run no
+        faster unrolled on CPU and compile longer; GPU/TPU run loops at full speed).
 
     Returns:
       ``(y, new_consts)``: the output of the last block, and the per-layer ``new_consts`` of
