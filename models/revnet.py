@@ -18,7 +18,7 @@ halves the step's memory.
 Both families take a remat plan (the registry's ``remat`` option, ``remat:`` in a config): on
 every ResNet unit, on a RevNet's downsampling units. A ResNet's identical units can run in one
 ``nn.scan`` per stage (``scan_units``; :func:`convert_units` converts variables between the two
-layouts).
+layouts), or a nested checkpointed scan with the same variables (``scan_levels``).
 
 Architectures (RevNet paper, Table 1; "Channels" lists the stem width then each stage's width,
 the bottleneck width for -164 models whose stage outputs are 4x):
@@ -392,6 +392,14 @@ class ResNet(fnn.Module):
         (:func:`convert_units` converts variables between the layouts). Compiles each stage
         once; XLA:CPU runs convolutions in a loop much slower than unrolled (jax-ml/jax#12868),
         hence off by default.
+      scan_levels: with ``scan_units``, run each stage's scanned units as a nested checkpointed
+        scan (:func:`remat_nn.remat_scan`) of that many levels instead of ``nn.scan``: about
+        ``levels * n**(1/levels)`` unit inputs of a stage held instead of ``n``, for one more
+        forward pass of the stage per level below the outermost. Each unit inside it runs under
+        ``remat`` (unset: recomputed whole, as ``full``). The variables are those of
+        ``scan_units`` (``init`` runs the very ``nn.scan``), so a checkpoint moves between the
+        two; BatchNorm statistics are updated once per unit, by the forward pass. ``None``:
+        ``nn.scan``.
 
     >>> import jax, jax.numpy as jnp
     >>> m = ResNet(ARCHS["resnet32"], num_classes=10)
@@ -408,9 +416,11 @@ class ResNet(fnn.Module):
     dtype: Any = jnp.float32
     remat: rn.Plan | None = None
     scan_units: bool = False
+    scan_levels: int | None = None
 
     @fnn.compact
     def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
+        _check_scan_levels(self.scan_levels, self.scan_units, "ResNet")
         x = _conv(self.arch.stem, 3, 1, self.dtype, "stem")(images.astype(self.dtype))
         bottleneck = self.arch.bottleneck
         for s, (n, width) in enumerate(zip(self.arch.units, self.arch.widths, strict=True)):
@@ -420,7 +430,9 @@ class ResNet(fnn.Module):
                 args = (width, strides, bottleneck, train, self.dtype)
                 x = _unit(ResidualUnit, self.remat, x, *args, name=f"stage{s}_{u}")
                 # x: (B, H / 2^s, W / 2^s, width)
-            if self.scan_units and n > first:
+            if self.scan_units and n > first and self.scan_levels and not self.is_initializing():
+                x = self._nested_units(s, width, train, x)  # (B, H / 2^s, W / 2^s, width)
+            elif self.scan_units and n > first:
                 cls = ResidualUnit
                 if self.remat is not None:
                     # Inside scan the recomputation runs in the loop of the backward pass on
@@ -435,6 +447,46 @@ class ResNet(fnn.Module):
                 unit = cls(width, 1, bottleneck, train, self.dtype, name=f"stage{s}")
                 x, _ = scan(unit, x, None)  # (B, H / 2^s, W / 2^s, width)
         return _Head(self.num_classes, train, self.dtype, name="head")(x)
+
+    def _nested_units(self, s: int, width: int, train: bool, x: jax.Array) -> jax.Array:
+        """Stage ``s``'s scanned units under :func:`remat_nn.remat_scan`, reading and writing
+        the variables ``nn.scan`` stacked under ``stage{s}`` (one slice per unit)."""
+        name = f"stage{s}"
+        stacked = {col: tree[name] for col, tree in self.variables.items() if name in tree}
+        unit = ResidualUnit(width, 1, self.arch.bottleneck, train, self.dtype, parent=None)
+
+        def step(h: jax.Array, variables: Any) -> tuple[jax.Array, Any]:
+            if not train:
+                return unit.apply(variables, h), None
+            h, updates = unit.apply(variables, h, mutable=["batch_stats"])
+            return h, updates["batch_stats"]  # this unit's new running averages
+
+        # remat unset: each unit recomputed whole (policy=None would keep more: measured).
+        plan = self.remat if self.remat is not None else REMAT_PRESETS["full"]
+        x, stats = rn.remat_scan(step, x, stacked, levels=self.scan_levels, policy=plan)
+        if train and self.is_mutable_collection("batch_stats"):
+            self.put_variable("batch_stats", name, stats)  # (L, ...) leaves, as nn.scan's
+        return x
+
+
+_SCAN_LEVELS_NEEDS_SCAN = (
+    "{where}scan_levels={levels!r} nests the scan of scan_units, but scan_units is off. Fix: "
+    "set scan_units=True with scan_levels (e.g. scan_units=True, scan_levels=2), or drop "
+    "scan_levels."
+)
+
+
+def _check_scan_levels(levels: Any, scan_units: bool, where: str) -> None:
+    if levels is None:
+        return
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(
+            f"{where}: scan_levels must be an int >= 1 (1: one checkpointed scan per stage; 2: "
+            f"sqrt(n) nesting) or None, got {type(levels).__name__} {levels!r}. Fix: "
+            "scan_levels=2."
+        )
+    if not scan_units:
+        raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=f"{where}: ", levels=levels))
 
 
 # --- RevNet -----------------------------------------------------------------------------------
@@ -596,6 +648,18 @@ class ResNetOptions(_ImageOptions):
     scan_units: bool = pydantic.Field(
         False, description="identical units of a stage in one nn.scan (parameters stacked)"
     )
+    scan_levels: pydantic.PositiveInt | None = pydantic.Field(
+        None,
+        description="with scan_units: each stage's scan as a nested checkpointed scan "
+        "(rn.remat_scan) of this many levels, same variables; null: nn.scan",
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _scan_levels(self) -> ResNetOptions:
+        if self.scan_levels is not None and not self.scan_units:
+            where = f"{self.registered_name}: option "
+            raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=where, levels=self.scan_levels))
+        return self
 
 
 class RevNetOptions(_ImageOptions):
@@ -625,6 +689,7 @@ def build_resnet(
     dtype: str = "float32",
     remat: str | Mapping[str, Any] | rn.Plan | None = None,
     scan_units: bool = False,
+    scan_levels: int | None = None,
     **_: Any,
 ) -> ResNet:
     """Builds ResNet-``depth`` (32, 110 or 164); ``image_size`` / ``in_channels`` are read by
@@ -640,7 +705,12 @@ def build_resnet(
     arch = ARCHS[f"resnet{depth}"].scaled(width)
     plan = _plan(remat, "none", f"resnet{depth}")
     return ResNet(
-        arch, num_classes=num_classes, dtype=jnp.dtype(dtype), remat=plan, scan_units=scan_units
+        arch,
+        num_classes=num_classes,
+        dtype=jnp.dtype(dtype),
+        remat=plan,
+        scan_units=scan_units,
+        scan_levels=scan_levels,
     )
 
 

@@ -272,6 +272,13 @@ class Transformer(fnn.Module):
       max_len: longest sequence (size of the learned position table).
       position: ``"learned"`` (GPT-2) or ``"rotary"`` (RoPE in every attention).
       scan_layers: run the blocks with ``nn.scan`` (parameters stacked on a leading layer axis).
+      scan_levels: with ``scan_layers``, run the blocks as a nested checkpointed scan
+        (``nn.remat_scan``, :func:`remat_nn.remat_scan`) of that many levels instead of
+        ``nn.scan``: about ``levels * n_layers**(1/levels)`` block inputs held instead of
+        ``n_layers``, for one more forward pass per level below the outermost. Each block runs
+        under ``remat`` (None: recomputed whole, as ``full``). Same parameters as
+        ``scan_layers`` (a checkpoint moves between the two); no dropout (the nested scan
+        draws no random numbers). None: ``nn.scan``.
       remat: the memory plan of each block (a :class:`remat_nn.Plan`), or None for no remat.
       reversible: additive couplings (attention F, MLP G) in a ``nn.ReversibleSequence``.
       reconstruct: with ``reversible``, reconstruct activations in the backward pass; ``False``
@@ -300,6 +307,7 @@ class Transformer(fnn.Module):
     max_len: int
     position: Literal["learned", "rotary"] = "learned"
     scan_layers: bool = True
+    scan_levels: int | None = None
     remat: rn.Plan | None = REMAT_PRESETS["full"]
     reversible: bool = False
     reconstruct: bool = True
@@ -320,6 +328,7 @@ class Transformer(fnn.Module):
         if self.position == "learned":
             wpe = fnn.Embed(self.max_len, self.d_model, name="wpe")
             x = x + wpe(jnp.arange(t))[None].astype(self.dtype)  # (1, T, D) broadcast over B
+        _check_scan_levels(self.scan_levels, self.scan_layers, self.reversible, self.dropout)
         x = fnn.Dropout(self.dropout, deterministic=not train)(x)
         x = self._reversible_stack(x, train) if self.reversible else self._stack(x, train)
         # The head is float32 under any compute dtype (3 matmuls of the gradient: D x V per
@@ -328,6 +337,21 @@ class Transformer(fnn.Module):
         return embed.attend(x)  # (B, T, V) float32, tied to the token embedding
 
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
+        if self.scan_levels is not None:
+            # Parameters as nn.scan stacks them; each block under the plan (None: full).
+            plan = self.remat if self.remat is not None else REMAT_PRESETS["full"]
+            nested = rnn.remat_scan(
+                Block, length=self.n_layers, levels=self.scan_levels, policy=plan
+            )
+            kw = dict(
+                n_heads=self.n_heads,
+                d_ff=self.d_ff,
+                rotary=self.position == "rotary",
+                dtype=self.dtype,
+                train=train,
+            )
+            x, _ = nested(**kw, name="blocks")(x)
+            return x
         block = Block
         if self.remat is not None:
             # Inside scan the recomputation cannot be CSE'd away, so prevent_cse is not needed.
@@ -370,6 +394,34 @@ class Transformer(fnn.Module):
         return (y1 + y2) / 2  # (B, T, D)
 
 
+def _check_scan_levels(levels: Any, scan_layers: bool, reversible: bool, dropout: float) -> None:
+    if levels is None:
+        return
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(
+            f"transformer: option scan_levels must be an int >= 1 (1: one checkpointed scan; "
+            f"2: sqrt(n_layers) nesting) or None, got {type(levels).__name__} {levels!r}. Fix: "
+            "scan_levels=2."
+        )
+    if not scan_layers or reversible:
+        why = (
+            "reversible=true (couplings, not a scan of blocks)"
+            if reversible
+            else ("scan_layers=false")
+        )
+        raise ValueError(
+            f"transformer: option scan_levels={levels} nests the scan of scan_layers, but "
+            f"{why}. Fix: scan_layers=true and reversible=false with scan_levels, or drop "
+            "scan_levels."
+        )
+    if dropout:
+        raise ValueError(
+            f"transformer: option scan_levels={levels} with dropout={dropout}: the nested scan "
+            "draws no random numbers. Fix: dropout=0, or drop scan_levels (nn.scan splits the "
+            "dropout key per layer)."
+        )
+
+
 # --- registry ---------------------------------------------------------------------------------
 
 
@@ -395,6 +447,11 @@ class TransformerOptions(pydantic.BaseModel):
     max_len: pydantic.PositiveInt = 256
     position: Literal["learned", "rotary"] = "learned"
     scan_layers: bool = True
+    scan_levels: pydantic.PositiveInt | None = pydantic.Field(
+        None,
+        description="with scan_layers: the blocks as a nested checkpointed scan "
+        "(nn.remat_scan) of this many levels, same parameters; null: nn.scan",
+    )
     remat: str | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None, description="a preset of REMAT_PRESETS, 'custom' (with custom_plan), or a Plan"
     )
@@ -434,6 +491,7 @@ class TransformerOptions(pydantic.BaseModel):
                 "Fix: drop remat (or set remat=none), or set reversible=false."
             )
         remat_plan(_default_remat(self.remat, self.reversible), self.custom_plan)
+        _check_scan_levels(self.scan_levels, self.scan_layers, self.reversible, self.dropout)
         return self
 
 
@@ -447,6 +505,7 @@ def build(
     max_len: int = 256,
     position: str = "learned",
     scan_layers: bool = True,
+    scan_levels: int | None = None,
     remat: str | rn.Plan | None = None,
     custom_plan: Mapping[str, Any] | None = None,
     reversible: bool = False,
@@ -469,6 +528,7 @@ def build(
         max_len=max_len,
         position=position,  # type: ignore[arg-type]
         scan_layers=scan_layers,
+        scan_levels=scan_levels,
         remat=remat_plan(_default_remat(remat, reversible), custom_plan),
         reversible=reversible,
         dropout=dropout,
