@@ -22,6 +22,7 @@ from benchmarks import _common
 BENCHMARKS = {
     "depth": "benchmarks.depth",
     "remat_scan": "benchmarks.remat_scan",
+    "strategies": "benchmarks.strategies",
     "invertible": "benchmarks.invertible",
     "revnet": "benchmarks.revnet",
     "transformer": "benchmarks.transformer",
