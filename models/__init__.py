@@ -140,6 +140,18 @@ def remat_option(
     return remat
 
 
+def check_scan_levels(levels: Any, where: str) -> None:
+    """Refuses a ``scan_levels`` option that is not None or an int >= 1; ``where`` prefixes the
+    message (e.g. ``"ResNet: "``)."""
+    if levels is not None and (
+        isinstance(levels, bool) or not isinstance(levels, int) or levels < 1
+    ):
+        raise ValueError(
+            f"{where}scan_levels must be an int >= 1 (1: one checkpointed scan; 2: sqrt(depth) "
+            f"nesting) or None, got {type(levels).__name__} {levels!r}. Fix: scan_levels=2."
+        )
+
+
 def _load_builtin() -> None:
     # Importing the model files registers them; done lazily so `import models` stays cheap and
     # a model file may import `models` itself.

@@ -477,15 +477,8 @@ _SCAN_LEVELS_NEEDS_SCAN = (
 
 
 def _check_scan_levels(levels: Any, scan_units: bool, where: str) -> None:
-    if levels is None:
-        return
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(
-            f"{where}: scan_levels must be an int >= 1 (1: one checkpointed scan per stage; 2: "
-            f"sqrt(n) nesting) or None, got {type(levels).__name__} {levels!r}. Fix: "
-            "scan_levels=2."
-        )
-    if not scan_units:
+    models.check_scan_levels(levels, f"{where}: ")
+    if levels is not None and not scan_units:
         raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=f"{where}: ", levels=levels))
 
 

@@ -395,14 +395,9 @@ class Transformer(fnn.Module):
 
 
 def _check_scan_levels(levels: Any, scan_layers: bool, reversible: bool, dropout: float) -> None:
+    models.check_scan_levels(levels, "transformer: option ")
     if levels is None:
         return
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(
-            f"transformer: option scan_levels must be an int >= 1 (1: one checkpointed scan; "
-            f"2: sqrt(n_layers) nesting) or None, got {type(levels).__name__} {levels!r}. Fix: "
-            "scan_levels=2."
-        )
     if not scan_layers or reversible:
         why = (
             "reversible=true (couplings, not a scan of blocks)"
