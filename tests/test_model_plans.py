@@ -9,6 +9,7 @@ trainer takes ``remat:`` for a ResNet config and its dry run shows the effect.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import models
 import remat_nn as rn
 from models import revnet as R
-from tests.gradients import rel_err
+from tests.gradients import random_variables, rel_err
 from train import loop
 from train import remat as remat_lib
 from train.config import ConfigError, load_config
@@ -57,14 +58,26 @@ def _loss(module):
     return loss
 
 
-def _small(variables):
-    # Well-conditioned: kernels scaled down so 7-10 layers neither explode nor vanish.
-    return jax.tree.map(lambda a: a * 0.5 if a.ndim >= 2 else a, variables)
+def _variables(module, images, seed=0):
+    # Well-conditioned: kernels ~ N(0, 0.09 / fan_in), each unit a small update, so 7-10 layers
+    # neither explode nor vanish and no leaf's gradient is tiny beside the others'.
+    # NumPy values of init's shapes: compiling a model's init costs more than its grad step.
+    shapes = jax.eval_shape(module.init, jax.random.key(0), images)
+    return random_variables(shapes, seed, kernel_scale=0.3)
 
 
 def _grads(module, variables, images, labels):
     grad = jax.jit(jax.grad(_loss(module), has_aux=True))
     return grad(variables["params"], variables["batch_stats"], images, labels)
+
+
+@functools.cache
+def _plain(model, arch):
+    """The reference for ``arch``: variables and plain autodiff's gradients and BN updates
+    (shared by the parametrized cases of one architecture; each plain compile is ~10 s)."""
+    module = model(arch, reversible=False) if model is R.RevNet else model(arch)
+    variables = _variables(module, _images())
+    return variables, _grads(module, variables, _images(), _labels())
 
 
 def _temp(module, batch=32, size=16):
@@ -105,9 +118,7 @@ def _convert(variables, arch, scanned):
 )
 def test_resnet_plans_and_scan_give_plain_autodiffs_gradient(arch, scan_units, plan):
     images, labels = _images(), _labels()
-    plain = R.ResNet(arch)
-    variables = _small(plain.init(jax.random.key(0), images))
-    (want, want_bs) = _grads(plain, variables, images, labels)
+    variables, (want, want_bs) = _plain(R.ResNet, arch)
     module = R.ResNet(arch, remat=plan, scan_units=scan_units)
     given = _convert(variables, arch, True) if scan_units else variables
     got, got_bs = _grads(module, given, images, labels)
@@ -136,9 +147,7 @@ def test_resnet_plans_and_scan_give_plain_autodiffs_gradient(arch, scan_units, p
 )
 def test_revnet_downsampling_plans_give_plain_autodiffs_gradient(arch, reversible, plan):
     images, labels = _images(), _labels()
-    plain = R.RevNet(arch, reversible=False)  # the reference: everything stored, no remat
-    variables = _small(plain.init(jax.random.key(0), images))
-    want, want_bs = _grads(plain, variables, images, labels)
+    variables, (want, want_bs) = _plain(R.RevNet, arch)  # everything stored, no remat
     got, got_bs = _grads(
         R.RevNet(arch, reversible=reversible, remat=plan), variables, images, labels
     )
@@ -153,8 +162,8 @@ def test_revnet_downsampling_plans_give_plain_autodiffs_gradient(arch, reversibl
 def test_convert_units_is_exact_both_ways_and_the_outputs_agree(arch):
     images = _images()
     unrolled, scanned = R.ResNet(arch), R.ResNet(arch, scan_units=True)
-    v_plain = unrolled.init(jax.random.key(0), images)
-    v_scan = scanned.init(jax.random.key(3), images)
+    v_plain = _variables(unrolled, images, seed=0)
+    v_scan = _variables(scanned, images, seed=3)
     # Unscanned -> scanned: the scanned model reads the converted variables as its own layout.
     to_scan = _convert(v_plain, arch, True)
     assert jax.tree.structure(to_scan) == jax.tree.structure(v_scan)
@@ -171,7 +180,7 @@ def test_convert_units_is_exact_both_ways_and_the_outputs_agree(arch):
 
 
 def test_convert_units_names_the_layout_it_expected():
-    v = R.ResNet(BASIC).init(jax.random.key(0), _images())["params"]
+    v = _variables(R.ResNet(BASIC), _images())["params"]
     with pytest.raises(
         ValueError, match=r"scanned=False\): the tree has no 'stage0'.*scanned=True"
     ):

@@ -18,7 +18,7 @@ from models import revnet as rv
 from models import summary
 from models import transformer as tr
 from remat_nn import nn
-from tests.gradients import rel_err
+from tests.gradients import random_variables, rel_err
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -31,30 +31,6 @@ def max_rel_err(a, b) -> float:
     """:func:`tests.gradients.rel_err`, each leaf's scale floored at 1% of the largest leaf's: a
     leaf whose exact gradient is zero (the key bias: softmax ignores it) holds only round-off."""
     return rel_err(a, b, floor=1e-2)
-
-
-def random_variables(tree, seed: int = 0):
-    """Concrete variables of the shapes in ``tree``, made with NumPy (no init compile).
-
-    Kernels and embeddings ~ N(0, 1/fan_in); norm scales and BatchNorm variances near 1; biases
-    and means small. Any weights serve a gradient comparison; XLA:CPU takes a minute to
-    compile some models' `init`, this takes milliseconds.
-    """
-    rng = np.random.default_rng(seed)
-
-    def make(path, leaf):
-        key = jax.tree_util.keystr(path)
-        shape = leaf.shape
-        if key.endswith("['scale']") or key.endswith("['var']"):
-            a = 1.0 + 0.1 * rng.uniform(-1, 1, shape)
-        elif key.endswith("['bias']") or key.endswith("['mean']"):
-            a = 0.1 * rng.standard_normal(shape)
-        else:  # kernels (..., fan_in, fan_out) and embeddings (vocab, D)
-            fan_in = math.prod(shape[-4:-1]) if len(shape) >= 4 else shape[-2]
-            a = rng.standard_normal(shape) / math.sqrt(fan_in)
-        return jnp.asarray(a, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(make, tree)
 
 
 def named_residuals(fn, *args) -> dict[str, set[str]]:

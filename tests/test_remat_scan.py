@@ -5,6 +5,7 @@ errors that name the argument, the value and the fix."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -257,16 +258,18 @@ def test_nn_remat_scan_params_move_both_ways(kw):
     # Same tree, same shapes, same initial values: nn.scan's own init.
     assert jax.tree.structure(from_ours) == jax.tree.structure(from_theirs)
     assert rel_err(from_ours, from_theirs) == 0.0
+
+    def loss(module, v):
+        h, ys = module.apply(v, H0, xs)
+        return jnp.sum(h**2) + jnp.sum(ys)
+
+    # Compiled once, run on both variable sets.
+    apply_ours, apply_theirs = jax.jit(ours.apply), jax.jit(theirs.apply)
+    grad_ours = jax.jit(jax.grad(functools.partial(loss, ours)))
+    grad_theirs = jax.jit(jax.grad(functools.partial(loss, theirs)))
     for variables in (from_theirs, from_ours):
-        assert rel_err(ours.apply(variables, H0, xs), theirs.apply(variables, H0, xs)) <= TOL
-
-        def loss(module, v):
-            h, ys = module.apply(v, H0, xs)
-            return jnp.sum(h**2) + jnp.sum(ys)
-
-        g1 = jax.grad(lambda v: loss(ours, v))(variables)
-        g0 = jax.grad(lambda v: loss(theirs, v))(variables)
-        assert rel_err(g1, g0) <= TOL
+        assert rel_err(apply_ours(variables, H0, xs), apply_theirs(variables, H0, xs)) <= TOL
+        assert rel_err(grad_ours(variables), grad_theirs(variables)) <= TOL
 
 
 def test_nn_remat_scan_inside_a_model_with_length_only():

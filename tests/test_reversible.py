@@ -281,8 +281,11 @@ def test_generic_block_without_fused_backward():
 def test_memory_flat_in_depth_while_plain_grows_linearly(unroll):
     # A batch whose activations (8 KiB per half) outweigh one layer's parameters (2.2 KiB).
     x = jax.random.normal(jax.random.key(1), (256, WIDTH))
+    # Unrolled, compile time grows with depth: 8 -> 32 layers (24 more) instead of 8 -> 64.
+    shallow, deep = (8, 32) if unroll is True else (8, 64)
+    added = deep - shallow
     temp, param_bytes = {}, {}
-    for depth in (8, 64):
+    for depth in (shallow, deep):
         params, _ = mlp_case(depth)
         param_bytes[depth] = sum(a.nbytes for a in jax.tree.leaves(params))
         for reversible in (True, False):
@@ -296,15 +299,15 @@ def test_memory_flat_in_depth_while_plain_grows_linearly(unroll):
         # Unrolled, XLA keeps per-layer slices of the stacked parameters (a parameter-sized
         # copy, documented), but no activation per layer: the backward's reconstruction of each
         # block waits for the block above (remat_nn._tie), or it would all run first.
-        growth = temp[True, 64] - temp[True, 8]
-        assert growth <= param_bytes[64] - param_bytes[8]
-        assert growth < 56 * activation / 4
+        growth = temp[True, deep] - temp[True, shallow]
+        assert growth <= param_bytes[deep] - param_bytes[shallow]
+        assert growth < added * activation / 4
     else:
-        assert temp[True, 64] <= 1.1 * temp[True, 8]
-    # plain autodiff stores per-layer activations: ~linear in depth (8x the layers)
-    assert temp[False, 64] >= 4 * temp[False, 8]
-    assert temp[False, 64] - temp[False, 8] >= 56 * activation  # >= one x per layer
-    assert temp[True, 64] < temp[False, 8]
+        assert temp[True, deep] <= 1.1 * temp[True, shallow]
+    # plain autodiff stores per-layer activations: ~linear in depth (at least half of it)
+    assert temp[False, deep] >= (deep / shallow) / 2 * temp[False, shallow]
+    assert temp[False, deep] - temp[False, shallow] >= added * activation  # >= one x per layer
+    assert temp[True, deep] < temp[False, shallow]
 
 
 def _conv_block() -> rn.ReversibleBlock:

@@ -16,7 +16,7 @@ import pytest
 
 import models
 from models import revnet as R
-from tests.gradients import rel_err
+from tests.gradients import random_variables, rel_err
 
 # Stage 1 has 4 identical units after its downsampling one: lengths (2, 2) at 2 levels, and a
 # remainder chunk at 3 levels; stages 0 and 2 have one scanned unit each.
@@ -50,7 +50,9 @@ def _small(tree):
 def plain():
     """The unscanned ResNet: its variables and its gradient step's output (the reference)."""
     module = R.ResNet(ARCH)
-    variables = _small(jax.jit(module.init)(jax.random.key(0), _images()))
+    # NumPy values of init's shapes (kernels N(0, 1/(4 fan_in))): no init compile.
+    shapes = jax.eval_shape(module.init, jax.random.key(0), _images())
+    variables = random_variables(shapes, kernel_scale=0.5)
     step = jax.jit(jax.grad(_cnn_loss(module), has_aux=True))
     return variables, step(variables["params"], variables["batch_stats"], _images())
 
