@@ -342,3 +342,19 @@ def test_decay_exclude_and_schedule_steps_defaults_and_values():
 
     text = " ".join(describe_options().split())
     assert "fnmatch glob" in text and "not stretched" in text
+
+
+def test_user_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    # data.path and run_dir as a shell reads them: "~/..." is under $HOME, not a directory "~".
+    import numpy as np
+
+    from train import data
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    x = np.arange(10 * 4 * 4, dtype=np.float32).reshape(10, 4, 4, 1)
+    np.savez(tmp_path / "mine.npz", x_train=x, y_train=np.arange(10) % 2)
+    cfg = load_config(None, ["data.source=npz", "data.path=~/mine.npz", "run_dir=~/runs/a"])
+    assert cfg.data.path == str(tmp_path / "mine.npz")
+    assert cfg.resolved_run_dir == tmp_path / "runs" / "a"
+    assert data.load_npz(cfg.data).name == "npz:mine.npz"
+    assert load_config(None, ["data.source=npz", "data.path=rel/x.npz"]).data.path == "rel/x.npz"

@@ -8,12 +8,16 @@ marks; nothing else lists those keys.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from pydantic_core import PydanticUndefined
+
+# A path the user wrote: ``~`` (and ``~user``) expands to the home directory, as in a shell.
+UserPath = Annotated[str, pydantic.AfterValidator(os.path.expanduser)]
 
 __all__ = [
     "REMOVED_KEYS",
@@ -92,7 +96,9 @@ class Data(_Section):
         "x_train/y_train[/x_test/y_test]; text: a plain text file (byte-level LM); corpus: the "
         "Python docs text shipped with every Python (byte-level LM); synthetic: random data",
     )
-    path: str | None = Field(None, description="file or directory for cifar10/mnist/npz/text")
+    path: UserPath | None = Field(
+        None, description="file or directory for cifar10/mnist/npz/text (~ is the home directory)"
+    )
     batch_size: PositiveInt | None = Field(
         128, description="global batch size (all devices, all processes)"
     )
@@ -239,7 +245,9 @@ class Config(_Section):
     """A whole run. Sections: model, remat, data, optim, train, checkpoint, mesh, distributed."""
 
     name: str = safe_field("run", description="run name; default run_dir is runs/<name>")
-    run_dir: str | None = safe_field(None, description="where checkpoints, metrics and plots go")
+    run_dir: UserPath | None = safe_field(
+        None, description="where checkpoints, metrics and plots go (~ is the home directory)"
+    )
     model: Model = Field(default_factory=Model)  # type: ignore[arg-type]
     remat: str | dict[str, Any] | None = Field(
         None,
