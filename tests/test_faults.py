@@ -1,9 +1,13 @@
-"""Crash, corruption and misuse of the trainer, each injected for real in a ``python -m train``.
+"""Crash, corruption and misuse of the trainer, each injected for real into ``python -m train``.
 
-Every run is a subprocess on a tiny MLP (registered here) and the embedded digits data: 8 steps,
-a checkpoint every 2. Faults come from ``REMAT_NN_FAULT`` (train/faults.py), damage is done to
-the files on disk, and "bitwise equal" compares the final checkpoint's arrays with an
-uninterrupted run's. Runs share one JAX compilation cache, so each takes a few seconds.
+Runs train a tiny MLP (registered here) on the embedded digits data: 8 steps, a checkpoint every
+2, on one device (``mesh.data=1 mesh.fsdp=1``, so this process's 8 fake devices and a child's one
+compute the same bits). Only a run that is SIGKILLed or signals itself is a child process
+(``python -m train``, tests/trainer_cli.py ``launch``); every other run, the reruns after a kill
+included, calls the same ``main`` in this process (``run_in_process``: exit code and output as a
+child's). Faults come from ``REMAT_NN_FAULT`` (train/faults.py), damage is done to the files on
+disk, and "bitwise equal" compares the final checkpoint's arrays with an uninterrupted run's.
+This process and the children share one JAX compilation cache.
 The slow multi-kill test runs only with ``REMAT_NN_SLOW_TESTS=1``.
 """
 
@@ -15,7 +19,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -28,7 +31,7 @@ import pydantic
 import pytest
 
 import models
-from tests.trainer_cli import launch
+from tests.trainer_cli import launch, run_in_process, shared_compilation_cache
 from train import integrity
 from train.faults import KILL_POINTS
 
@@ -68,15 +71,18 @@ def register() -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    # Only the subprocesses compile; they share this cache (a few seconds per run instead of 10).
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+def fault_model_registered():
+    # Registered only while this module runs, so registry-wide tests elsewhere never see it.
+    register()
     yield
-    del (
-        os.environ["JAX_COMPILATION_CACHE_DIR"],
-        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"],
-    )
+    models.REGISTRY.pop(MODEL, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    # This process and the children compile the same few programs once, between them.
+    with shared_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))):
+        yield
 
 
 def argv(run_dir, *extra: str) -> list[str]:
@@ -91,19 +97,28 @@ def argv(run_dir, *extra: str) -> list[str]:
         "checkpoint.every=2",
         "checkpoint.keep=3",
         "optim.warmup_steps=2",
+        "mesh.data=1",  # one device, here and in a child (launched with 1)
+        "mesh.fsdp=1",
         f"run_dir={run_dir}",
         *extra,
     ]
 
 
-def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
-    env = {"REMAT_NN_FAULT": fault} if fault else None
-    return launch(args, register="test_faults:register", env=env)
-
-
 def train(run_dir, *extra: str, fault: str | None = None) -> tuple[int, str]:
-    """Runs the trainer to its end (or its crash): (exit code, output)."""
-    proc = start(argv(run_dir, *extra), fault)
+    """Runs the trainer to its end in this process: (exit code, output).
+
+    ``fault`` may only be one the process survives (``enospc``, ``nan``).
+    """
+    return run_in_process(argv(run_dir, *extra), fault=fault)
+
+
+def train_in_child(run_dir, *extra: str, fault: str | None = None) -> tuple[int, str]:
+    """Runs the trainer in a fresh process to its end or its crash: (exit code, output).
+
+    For the faults that SIGKILL the process or send it a signal.
+    """
+    env = {"REMAT_NN_FAULT": fault} if fault else None
+    proc = launch(argv(run_dir, *extra), register="test_faults:register", env=env)
     out = proc.communicate(timeout=120)[0]
     return proc.returncode, out
 
@@ -156,7 +171,7 @@ def test_sigkill_then_rerun_resumes_bitwise(point, tmp_path, reference):
     run_dir = tmp_path / "run"
     if point == "during_restore":
         assert train(run_dir, "--stop-after", "4")[0] == 0
-    code, out = train(run_dir, fault=f"{point}@4")
+    code, out = train_in_child(run_dir, fault=f"{point}@4")
     assert code == -signal.SIGKILL, out
     assert f"SIGKILL at {point}@4" in out
 
@@ -180,7 +195,7 @@ def test_three_seeded_random_kills_still_bitwise_equal(tmp_path, reference):
         # A random kill point at a random checkpoint step still ahead of the run.
         point = rng.choice(KILL_POINTS[:-1])
         step = rng.choice([s for s in (2, 4, 6, 8) if s > done])
-        code, out = train(run_dir, fault=f"{point}@{step}")
+        code, out = train_in_child(run_dir, fault=f"{point}@{step}")
         assert code == -signal.SIGKILL, out
         verified = [int(n) for n in steps(run_dir) if n.isdigit()]
         done = max(verified, default=0)
@@ -197,7 +212,9 @@ def test_signal_checkpoints_at_that_step_exits_128_plus_n_and_resumes_bitwise(
     sig, tmp_path, reference
 ):
     # The process signals itself once step 5 is taken (a fault point, not a race with a parent).
-    code, out = train(tmp_path / "run", "checkpoint.every=1000", fault=f"{sig.name.lower()}@5")
+    code, out = train_in_child(
+        tmp_path / "run", "checkpoint.every=1000", fault=f"{sig.name.lower()}@5"
+    )
     assert code == 128 + sig, out
     assert steps(tmp_path / "run") == ["5"] and f"{sig.name}: saved checkpoint at step 5" in out
 
@@ -382,7 +399,7 @@ def test_second_process_on_the_run_directory_exits_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     lock = integrity.RunLock(run_dir)  # this test process is the first trainer
     try:
-        code, out = train(run_dir)
+        code, out = train_in_child(run_dir)  # a second process: it must name this one
         assert code == 5 and f"pid {os.getpid()}" in out and "in use" in out, out
         # Refused before anything is built (no data loaded, no step compiled) or written.
         assert f"model {MODEL}" not in out and not (run_dir / "checkpoints").exists(), out

@@ -1,19 +1,79 @@
 """`remat: {policy: auto, budget: ...}`: validated, planned once, saved, reused on resume."""
 
 from pathlib import Path
+from typing import Any
 
+import flax.linen as fnn
+import jax.numpy as jnp
+import pydantic
 import pytest
 
+import models
 import remat_nn as rn
+from remat_nn import nn as rnn
 from train import loop
 from train.config import ConfigError, load_config
 
 DEBUG = Path(__file__).resolve().parents[1] / "configs" / "debug.yaml"
+NAMED = "named_mlp_for_autoplan_tests"
 
 
 def cfg_for(run_dir, *overrides):
     base = [f"run_dir={run_dir}", "train.steps=4", "train.eval_every=4", "checkpoint.every=2"]
     return load_config(str(DEBUG), [*base, *overrides])
+
+
+class _Block(fnn.Module):
+    width: int
+
+    @fnn.compact
+    def __call__(self, x, _):
+        # x (B, D) -> (B, D), through a wide hidden layer: recomputing it saves memory.
+        h = rn.name(fnn.Dense(self.width)(x), rn.names.MLP_HIDDEN)  # (B, F)
+        h = rn.name(jnp.tanh(h), rn.names.MLP_OUT)  # (B, F)
+        return x + fnn.Dense(x.shape[-1])(h), None
+
+
+class NamedMLP(fnn.Module):
+    """Residual MLP blocks, each with two named activations, scanned under the plan given.
+
+    Scanned: XLA:CPU keeps remat inside a scan (in an unrolled loop it undoes it).
+    """
+
+    num_classes: int = 10
+    width: int = 256
+    depth: int = 4
+    remat: Any = None  # a remat_nn.Plan, "none" (no remat), or None (everything recomputed)
+
+    @fnn.compact
+    def __call__(self, x, train: bool = False):
+        # x (B, H, W, C) -> logits (B, K)
+        block = _Block
+        if self.remat != "none":
+            plan = self.remat or rn.plan({"default": "recompute"})
+            block = rnn.remat(_Block, policy=plan, prevent_cse=False)
+        blocks = fnn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
+        )
+        h, _ = blocks(self.width, name="blocks")(x.reshape(x.shape[0], -1), None)  # (B, D)
+        return fnn.Dense(self.num_classes)(h)
+
+
+class NamedOptions(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    num_classes: int = 10
+    width: int = 256
+    depth: int = 4
+    remat: str | pydantic.InstanceOf[rn.Plan] | None = None
+
+
+@pytest.fixture
+def named_mlp():
+    # Registered only while a test uses it, so registry-wide tests elsewhere never see it.
+    spec = models.ModelSpec(build=NamedMLP, options=NamedOptions, task="classify", doc="tests")
+    models.register(NAMED, spec)
+    yield NAMED
+    models.REGISTRY.pop(NAMED, None)
 
 
 @pytest.mark.parametrize(
@@ -33,9 +93,24 @@ def test_bad_auto_plan_configs_name_the_path(tmp_path, remat, path):
         cfg_for(tmp_path, f"remat={remat}")
 
 
-def test_auto_plan_is_saved_and_reused_on_resume(tmp_path):
+def test_auto_plan_is_saved_and_reused_on_resume(tmp_path, named_mlp):
+    # A model with few names (the planner compiles the gradient once per name, and the
+    # transformer has 10): what is tested is the trainer planning once and reusing the plan.
     lines: list[str] = []
-    cfg = cfg_for(tmp_path, "remat={policy: auto, budget: 0.6}")
+    cfg = load_config(
+        None,
+        [
+            f"model.name={named_mlp}",
+            "data.source=digits",
+            "data.batch_size=256",  # planned on one device's 32: activations worth planning
+            f"run_dir={tmp_path}",
+            "train.steps=4",
+            "train.eval_every=4",
+            "train.plot=false",
+            "checkpoint.every=2",
+            "remat={policy: auto, budget: 0.6}",
+        ],
+    )
     first = loop.run(cfg, stop_after=2, out=lines.append)
     assert first.step == 2
     plan_file = tmp_path / "remat_plan.yaml"
