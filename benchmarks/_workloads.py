@@ -3,6 +3,7 @@ gives both XLA's memory analysis and the executable, and this machine's matmul s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -126,18 +127,31 @@ def classifier(
 ) -> Classifier:
     """A registry model (``resnet32``, ``revnet164``, ...) at ``batch`` x ``image_size``^2 x 3.
 
-    ``materialize=False`` keeps everything abstract (memory analysis only, nothing runs).
+    ``materialize=False`` keeps everything abstract (memory analysis only, nothing runs; a step
+    compiled for it runs on :func:`concrete` of it).
     """
     module = module if module is not None else models.build(name, image_size=image_size)
     images = jax.ShapeDtypeStruct((batch, image_size, image_size, 3), jnp.float32)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
     variables = jax.eval_shape(module.init, jax.random.key(0), images)
-    if materialize:
-        variables = fake_init(variables)
-        rng = np.random.default_rng(1)
-        images = jnp.asarray(rng.uniform(size=images.shape), jnp.float32)
-        labels = jnp.asarray(rng.integers(0, 10, labels.shape), jnp.int32)
-    return Classifier(name, module, variables["params"], variables["batch_stats"], images, labels)
+    model = Classifier(name, module, variables["params"], variables["batch_stats"], images, labels)
+    return concrete(model) if materialize else model
+
+
+def concrete(model: Classifier) -> Classifier:
+    """An abstract ``model`` with values: :func:`fake_init` variables and random inputs (fixed
+    seeds, so the same shapes get the same values)."""
+    variables = fake_init({"params": model.params, "batch_stats": model.batch_stats})
+    rng = np.random.default_rng(1)
+    images = jnp.asarray(rng.uniform(size=model.images.shape), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, model.labels.shape), jnp.int32)
+    return dataclasses.replace(
+        model,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        images=images,
+        labels=labels,
+    )
 
 
 # --- the scanned transformer -------------------------------------------------------------------
@@ -193,8 +207,11 @@ class LM:
         return jax.grad(functools.partial(self.loss, policy=policy))
 
 
-def lm(config: LMConfig) -> LM:
-    """Builds the transformer of ``config`` with initialized parameters and random tokens."""
+@functools.cache
+def _lm_module(config: LMConfig) -> tuple[tf.Transformer, Callable[..., Any]]:
+    # One module and one jitted init per size: every benchmark that builds the model (and the
+    # transformer, planner and efficiency benchmarks each build it more than once) compiles
+    # its init once per process.
     module = models.build(
         "transformer",
         vocab_size=config.vocab_size,
@@ -204,9 +221,21 @@ def lm(config: LMConfig) -> LM:
         max_len=config.seq_len,
         remat="none",
     )
-    # T + 1 tokens: inputs are the first T, targets the last T.
-    tokens = jax.random.randint(
+    return module, jax.jit(module.init)
+
+
+def lm_tokens(config: LMConfig) -> jax.Array:
+    """The random tokens of :func:`lm`: ``(batch, seq_len + 1)`` int32, inputs the first T and
+    targets the last T."""
+    return jax.random.randint(
         jax.random.key(1), (config.batch, config.seq_len + 1), 0, config.vocab_size, jnp.int32
     )
-    params = jax.jit(module.init)(jax.random.key(0), tokens[:, :-1])["params"]
+
+
+def lm(config: LMConfig) -> LM:
+    """Builds the transformer of ``config`` with initialized parameters and random tokens
+    (fresh arrays at every call: a donated step may consume them)."""
+    module, init = _lm_module(config)
+    tokens = lm_tokens(config)
+    params = init(jax.random.key(0), tokens[:, :-1])["params"]
     return LM(config, module, params, tokens)

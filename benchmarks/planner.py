@@ -6,8 +6,8 @@ loss takes the candidate as the model's own remat plan, ``loss(params, tokens, *
 For each budget: the plan, its compiled temp bytes (must fit), and its step time against every
 preset that also fits, timed in the same shuffled rounds (median of paired ratios), the plan
 also against itself (the noise). The planner's calibration compiles are the same programs at
-every budget: a persistent compilation cache (a temporary directory, this process only) shares
-them across budgets.
+every budget: a persistent compilation cache (the one configured, else a temporary directory
+for this process) shares them across budgets.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def _plan_text(plan: rn.Plan) -> str:
 
 @contextlib.contextmanager
 def _shared_compiles() -> Iterator[None]:
-    """A persistent compilation cache in a temporary directory for the duration: the planner's
+    """A persistent compilation cache for the duration, every compile in it: the planner's
     calibration compiles (no remat, every name recomputed, each name saved alone) are the same
-    programs at every budget, so only the first budget compiles them."""
+    programs at every budget, so only the first budget compiles them. The cache directory
+    configured (``JAX_COMPILATION_CACHE_DIR``), or a temporary one when there is none."""
     names = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
@@ -62,7 +63,7 @@ def _shared_compiles() -> Iterator[None]:
     )
     before = {n: getattr(jax.config, n) for n in names}
     with tempfile.TemporaryDirectory() as d:
-        for n, v in zip(names, (d, 0.0, -1), strict=True):
+        for n, v in zip(names, (before[names[0]] or d, 0.0, -1), strict=True):
             jax.config.update(n, v)
         try:
             yield
@@ -80,14 +81,16 @@ def _run(quick: bool) -> Result:
     config = wl.LM_QUICK if quick else wl.LM_FULL
     reps = 1 if quick else 15
     names = tb.QUICK_PRESETS if quick else tuple(tb.REMAT_PRESETS)
-    presets = tb.measure(config, names)  # cached when the transformer benchmark ran first
+    presets = tb.compile_presets(config, names)  # cached when the transformer benchmark ran
     # The presets' step times for the figure: the transformer benchmark's rounds (cached).
     preset_times = tb.timed(config, names, tb.rounds(quick), tb.matmul_size(quick))
     model = wl.lm(config)
     # Offload presets move nothing on CPU: their memory is that of the matching save preset.
-    temps = {p: r["temp"] for p, r in presets.items() if p not in tb.OFFLOAD_PRESETS}
+    temps = {
+        p: mem.temp_size_in_bytes for p, (_, mem) in presets.items() if p not in tb.OFFLOAD_PRESETS
+    }
     budgets = [(temps["full"] + temps["none"]) // 2] if quick else _budgets(temps, 5)
-    steps = {p: jax.jit(model.grad_step(p)) for p in temps}
+    steps = {p: presets[p][0] for p in temps}
     lowest = min(temps.values())
 
     rows, failed = [], []
@@ -109,7 +112,9 @@ def _run(quick: bool) -> Result:
         if not rows and report.min_temp_bytes < lowest and not quick:
             # The planner reached below every preset: also plan halfway between the two.
             pending.insert(0, (report.min_temp_bytes + lowest) // 2)
-        plan_step = jax.jit(model.grad_step(report.plan))
+        # An executable, as the presets' steps are (a hit in the cache: the planner compiled it).
+        plan_jit = jax.jit(model.grad_step(report.plan))
+        plan_step = plan_jit.lower(model.params, model.tokens).compile()
         fns = {"plan": lambda s=plan_step: s(model.params, model.tokens)}
         fns |= {p: lambda s=steps[p]: s(model.params, model.tokens) for p in fitting}
         times = paired(fns, itself="plan", rounds=reps)

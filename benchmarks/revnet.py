@@ -22,6 +22,7 @@ import functools
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as fnn
@@ -57,17 +58,46 @@ def _module(name: str, quick: bool):
     return R.ResNet(_arch(name, quick))
 
 
+@dataclasses.dataclass
+class _Compiled:
+    """A grad step compiled for abstract inputs: the executable, XLA's memory analysis, the
+    compile seconds and the abstract model (its shapes)."""
+
+    executable: Any
+    memory: rn.CompiledMemory
+    compile_s: float
+    model: wl.Classifier
+
+
+def _compiled(
+    name: str, quick: bool, batch: int, image: int, unroll: int | None = None
+) -> _Compiled:
+    """The grad step of ``name`` as the registry builds it; for a RevNet, ``unroll`` of its
+    reversible stacks (``None``: the default, unrolled on CPU). Each network, batch and unroll
+    compiles once: the memory table, the step times and the unroll table share a compile where
+    their batches coincide (all of quick mode's; the full run's memory and time batches)."""
+    return _compile(name, quick, batch, image, unroll)  # one cache key however it is called
+
+
+@functools.cache
+def _compile(name: str, quick: bool, batch: int, image: int, unroll: int | None) -> _Compiled:
+    module = _module(name, quick)
+    if name.startswith("revnet"):
+        module = module.copy(unroll=unroll)
+    model = wl.classifier(name, batch=batch, image_size=image, module=module, materialize=False)
+    start = time.perf_counter()
+    executable, mem = wl.compile_step(model.grad_step, *model.args)
+    return _Compiled(executable, mem, time.perf_counter() - start, model)
+
+
 def _measure(name: str, quick: bool, batch: int, half: int, image: int) -> dict:
     """Temp / peak at ``batch`` and ``half``, params and the affine fit of peak in batch."""
-    module = _module(name, quick)
-    model = wl.classifier(name, batch=batch, image_size=image, module=module, materialize=False)
-    _, mem = wl.compile_step(model.grad_step, *model.args)
-    small = wl.classifier(name, batch=half, image_size=image, module=module, materialize=False)
-    _, mem_half = wl.compile_step(small.grad_step, *small.args)
+    full = _compiled(name, quick, batch, image)
+    mem, mem_half = full.memory, _compiled(name, quick, half, image).memory
     per_example = (mem.peak_bytes - mem_half.peak_bytes) / (batch - half)
     fixed = mem.peak_bytes - per_example * batch
     row = {
-        "params": wl.tree_size(model.params),
+        "params": wl.tree_size(full.model.params),
         "temp": mem.temp_size_in_bytes,
         "peak": mem.peak_bytes,
         "per_example": per_example,
@@ -78,28 +108,10 @@ def _measure(name: str, quick: bool, batch: int, half: int, image: int) -> dict:
     return row
 
 
-@dataclasses.dataclass
-class _Step:
-    """A compiled grad step, ready to call, with its XLA temp bytes and compile seconds."""
-
-    fn: Any
-    temp: int
-    compile_s: float
-
-
-@functools.cache
-def _step(name: str, quick: bool, batch: int, image: int, unroll: int | None) -> _Step:
-    """The grad step of ``name`` as the registry builds it; for a RevNet, ``unroll`` of its
-    reversible stacks (``None``: the default, unrolled on CPU). Cached: quick mode's batches
-    coincide, so each network compiles once."""
-    module = _module(name, quick)
-    if name.startswith("revnet"):
-        module = module.copy(unroll=unroll)
-    model = wl.classifier(name, batch=batch, image_size=image, module=module)
-    start = time.perf_counter()
-    compiled, mem = wl.compile_step(model.grad_step, *model.args)
-    seconds = time.perf_counter() - start
-    return _Step(functools.partial(compiled, *model.args), mem.temp_size_in_bytes, seconds)
+def _step(name: str, quick: bool, batch: int, image: int, unroll: int | None) -> Callable[[], Any]:
+    """:func:`_compiled`'s step, ready to call on values of its shapes."""
+    step = _compiled(name, quick, batch, image, unroll)
+    return functools.partial(step.executable, *wl.concrete(step.model).args)
 
 
 def _dense_unroll(depth: int, rounds: int) -> tuple[Paired, dict[str, float]]:
@@ -120,9 +132,7 @@ def _dense_unroll(depth: int, rounds: int) -> tuple[Paired, dict[str, float]]:
 
 def _by_module(name: str, quick: bool, batch: int, image: int) -> dict[str, int]:
     """Residual bytes of the grad step grouped by the top-level module that produces them."""
-    model = wl.classifier(
-        name, batch=batch, image_size=image, module=_module(name, quick), materialize=False
-    )
+    model = _compiled(name, quick, batch, image).model
     report = rn.memory_report(lambda *a: model.loss(*a)[0], *model.args)
     groups: dict[str, int] = collections.Counter()
     for r in report.residuals:
@@ -187,27 +197,20 @@ def run(quick: bool = False) -> Result:
     # convolutions far slower (jax-ml/jax#12868), which the unroll table below measures.
     time_batch, rounds = (8, 1) if quick else (batch, 5)
     t_rev, t_res = pairs[0]
-    time_step = functools.partial(_step, quick=quick, batch=time_batch, image=image)
-    fns = {n: time_step(n, unroll=None).fn for n in (t_res, t_rev)}
+    fns = {n: _step(n, quick, time_batch, image, None) for n in (t_res, t_rev)}
     steps = paired(fns, itself=t_res, rounds=rounds)
     step_ratio = steps.ratio(t_rev, t_res)
     # Rolled vs unrolled: at batch 8, since a rolled RevNet-38 step at batch 128 takes minutes.
     unroll_batch = 8
     variants = {"unrolled (default)": None, "unroll=1": 1}
-    unroll_steps = {
-        k: _step(t_rev, quick, unroll_batch, image, unroll=u) for k, u in variants.items()
-    }
-    fns = {k: v.fn for k, v in unroll_steps.items()}
+    unroll_steps = {k: _compiled(t_rev, quick, unroll_batch, image, u) for k, u in variants.items()}
+    fns = {k: _step(t_rev, quick, unroll_batch, image, u) for k, u in variants.items()}
     rolled = paired(fns, itself="unrolled (default)", rounds=rounds)
     rolled_ratio = rolled.ratio("unroll=1", "unrolled (default)")
-    rolled_temp = {}  # every RevNet rolled, against its unrolled row above
-    for rev, _ in pairs:
-        if quick:  # the same batch as unroll_steps: no second compile
-            rolled_temp[rev] = unroll_steps["unroll=1"].temp
-            continue
-        module = _module(rev, quick).copy(unroll=1)
-        model = wl.classifier(rev, batch=batch, image_size=image, module=module, materialize=False)
-        rolled_temp[rev] = wl.compile_step(model.grad_step, *model.args)[1].temp_size_in_bytes
+    # Every RevNet rolled, against its unrolled row above (quick: unroll_steps' compile).
+    rolled_temp = {
+        rev: _compiled(rev, quick, batch, image, 1).memory.temp_size_in_bytes for rev, _ in pairs
+    }
     dense_depth = 8 if quick else 64
     dense, dense_compile = _dense_unroll(dense_depth, 1 if quick else 7)
     dense_ratio = dense.ratio("unrolled", "unroll=1 (default)")
@@ -296,7 +299,7 @@ def run(quick: bool = False) -> Result:
         "|---|--:|--:|--:|--:|",
         *(
             f"| {k} | {rolled.seconds(k):.3f} s | {rolled.ratio(k, 'unrolled (default)'):.2f}x "
-            f"| {v.compile_s:.1f} s | {format_bytes(v.temp)} |"
+            f"| {v.compile_s:.1f} s | {format_bytes(v.memory.temp_size_in_bytes)} |"
             for k, v in unroll_steps.items()
         ),
         "",

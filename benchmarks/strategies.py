@@ -166,7 +166,7 @@ def _lm_loss(module: Any, params: Any, tokens: jax.Array) -> jax.Array:
 
 
 def _lm_rows(config: wl.LMConfig) -> list[Row]:
-    tokens = wl.lm(config).tokens  # (B, T + 1)
+    tokens = wl.lm_tokens(config)  # (B, T + 1)
     rows, params = [], {}
     for s in _lm_strategies(config):
         reversible = s.module.reversible

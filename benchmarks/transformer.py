@@ -13,6 +13,7 @@ two times from the same round.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import matplotlib
 
@@ -39,19 +40,26 @@ def matmul_size(quick: bool) -> int:
 
 
 @functools.cache
+def compile_presets(
+    config: wl.LMConfig, presets: tuple[str, ...]
+) -> dict[str, tuple[Any, rn.CompiledMemory]]:
+    """preset -> (executable, XLA memory analysis) of its grad step (cached per process: the
+    planner and efficiency benchmarks time the same executables, and need no more of them)."""
+    model = wl.lm(config)
+    return {p: wl.compile_step(model.grad_step(p), model.params, model.tokens) for p in presets}
+
+
+@functools.cache
 def measure(config: wl.LMConfig, presets: tuple[str, ...]) -> dict[str, dict]:
-    """preset -> temp, peak, residuals by name, FLOPs (cached per process, so the planner
-    benchmark reuses the memory figures when both run together)."""
+    """preset -> temp, peak, residuals by name, FLOPs (cached per process)."""
     model = wl.lm(config)
     rows = {}
-    for preset in presets:
+    for preset, (_, mem) in compile_presets(config, presets).items():
         step = model.grad_step(preset)
-        compiled, mem = wl.compile_step(step, model.params, model.tokens)
         report = rn.memory_report(
             functools.partial(model.loss, policy=preset), model.params, model.tokens
         )
         rows[preset] = {
-            "compiled": compiled,
             "temp": mem.temp_size_in_bytes,
             "peak": mem.peak_bytes,
             "report": report,
@@ -68,8 +76,8 @@ def timed(config: wl.LMConfig, presets: tuple[str, ...], rounds: int, matmul: in
     matmul in ``rounds`` shuffled rounds (cached: the efficiency and planner benchmarks use the
     same measurement when they run in the same process)."""
     model = wl.lm(config)
-    rows = measure(config, presets)
-    fns = {p: functools.partial(r["compiled"], model.params, model.tokens) for p, r in rows.items()}
+    steps = compile_presets(config, presets)
+    fns = {p: functools.partial(c, model.params, model.tokens) for p, (c, _) in steps.items()}
     fns[MATMUL] = wl.matmul_fn(matmul)
     # Quick sizes take a millisecond a step: repeat within a slot so timer resolution is no noise.
     quick = matmul < 1024

@@ -3,6 +3,7 @@ the command, and the README's table of targets has the rows the benchmark emits.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -29,13 +30,43 @@ def _readme_rows(name: str) -> list[str]:
     return [row.strip().strip("|").split(" | ")[1] for row in rows]
 
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
-def test_quick_benchmark_writes_results_and_the_readme_rows(name: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="session")
+def benchmark_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The benchmarks' environment: the suite's (``XLA_FLAGS``, the CPU platform: conftest.py)
+    and one JAX compilation cache for every benchmark process of the session.
+
+    Benchmarks compile programs in common (the transformer's presets and init: transformer,
+    planner, efficiency, strategies, donation; the quick RevNet-38: revnet, efficiency), and
+    only the first to run compiles them. Under xdist the cache is in the session's directory,
+    which the workers share (an entry read while another process writes it fails to load: JAX
+    warns and compiles). Every entry is kept (no minimum compile time). The trainer, which sets
+    its cache directory from the config only when none is set, writes here, not to the user's.
+    """
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
+    cache.mkdir(exist_ok=True)
+    return os.environ | {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+# The transformer first: the planner and efficiency benchmarks then find its compiles in the
+# cache. Then the longest first, so that `-n 2` ends its two workers together.
+_FIRST = ("transformer", "revnet", "strategies", "planner", "efficiency", "trainer")
+_ORDER = sorted(BENCHMARKS, key=lambda n: _FIRST.index(n) if n in _FIRST else len(_FIRST))
+
+
+@pytest.mark.parametrize("name", _ORDER)
+def test_quick_benchmark_writes_results_and_the_readme_rows(
+    name: str, tmp_path: Path, benchmark_env: dict[str, str]
+) -> None:
     # One process per benchmark, so that `-n 2` spreads them; a benchmark that reuses another's
     # measurements in `python -m benchmarks all` (planner, efficiency) takes them itself here.
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", name, "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
+        env=benchmark_env,
         capture_output=True,
         text=True,
         timeout=600,
