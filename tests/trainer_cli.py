@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -115,17 +116,15 @@ def _fault_variable(value: str | None) -> Iterator[None]:
     # and out.
     from train import faults
 
-    before = os.environ.pop(faults.ENV, None)
-    if value is not None:
-        os.environ[faults.ENV] = value
-    faults._parsed.cache_clear()
-    try:
-        yield
-    finally:
+    with mock.patch.dict(os.environ):  # the environment as it was, on the way out
         os.environ.pop(faults.ENV, None)
-        if before is not None:
-            os.environ[faults.ENV] = before
+        if value is not None:
+            os.environ[faults.ENV] = value
         faults._parsed.cache_clear()
+        try:
+            yield
+        finally:
+            faults._parsed.cache_clear()
 
 
 @contextlib.contextmanager
@@ -142,20 +141,14 @@ def shared_compilation_cache(path: str) -> Iterator[str]:
         "jax_persistent_cache_min_entry_size_bytes",
     )
     before = {n: getattr(jax.config, n) for n in names}
-    env = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
-    env_before = {k: os.environ.get(k) for k in env}
     for n, v in zip(names, (path, 0.0, -1), strict=True):
         jax.config.update(n, v)
     compilation_cache.reset_cache()  # JAX opens the cache directory once: open this one
-    os.environ.update(dict(zip(env, (path, "0"), strict=True)))
+    env = {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     try:
-        yield path
+        with mock.patch.dict(os.environ, env):  # restored on exit
+            yield path
     finally:
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for n, v in before.items():
             jax.config.update(n, v)
         compilation_cache.reset_cache()
