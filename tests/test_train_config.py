@@ -10,7 +10,14 @@ import pytest
 import yaml
 
 import models
-from train.config import ConfigError, YamlLoader, apply_overrides, dump_config, load_config
+from train.config import (
+    ConfigError,
+    YamlLoader,
+    apply_overrides,
+    dump_config,
+    is_resume_safe,
+    load_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -128,7 +135,7 @@ def test_shipped_configs_validate_and_say_how_to_run(path):
     cfg = load_config(path)
     first = path.read_text().splitlines()[0]
     assert first.startswith("# python -m train --config configs/" + path.name), first
-    spec = models.get(cfg.model.name)
+    spec = cfg.model.spec()
     assert spec.task in ("classify", "lm")
 
 
@@ -138,6 +145,10 @@ def test_shipped_configs_use_the_intended_models():
     assert names["transformer"] == names["transformer_offload"] == "transformer"
     assert load_config(ROOT / "configs/revnet.yaml").data.source == "digits"
     assert load_config(ROOT / "configs/transformer_offload.yaml").remat is not None
+    cifar = load_config(ROOT / "configs/revnet_cifar.yaml")
+    assert names["revnet_cifar"] == "revnet38" and cifar.data.source == "cifar10"
+    assert (cifar.data.augment, cifar.data.normalize) == ("crop_flip", "per_channel")
+    assert cifar.data.path == str(Path.home() / "data" / "cifar-10-batches-py")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -358,3 +369,75 @@ def test_user_paths_expand_the_home_directory(tmp_path, monkeypatch):
     assert cfg.resolved_run_dir == tmp_path / "runs" / "a"
     assert data.load_npz(cfg.data).name == "npz:mine.npz"
     assert load_config(None, ["data.source=npz", "data.path=rel/x.npz"]).data.path == "rel/x.npz"
+
+
+def test_data_augment_and_normalize_default_off_and_apply_to_images_only():
+    cfg = load_config(None, [])
+    assert (cfg.data.augment, cfg.data.normalize) == ("none", "none")  # the digits run as before
+    errs = errors_of(None, ["data.source=corpus", "data.augment=crop_flip"])
+    assert "applies to images" in errs["data"] and "Fix: drop data.augment" in errs["data"]
+    errs = errors_of(None, ["data.source=tokens"])
+    assert "needs data.path" in errs["data"]
+    errs = errors_of(None, ["data.augment=rotate", "data.tokens.dtype=int64"])
+    assert "'none' or 'crop_flip'" in errs["data.augment"]
+    assert "'uint16' or 'int32'" in errs["data.tokens.dtype"]
+    cfg = load_config(None, ["model.name=transformer", "data.source=tokens", "data.path=~/t.bin"])
+    assert cfg.data.path == str(Path.home() / "t.bin")
+    assert is_resume_safe("data.prefetch") and is_resume_safe("data.read_threads")
+    assert not is_resume_safe("data.augment") and not is_resume_safe("data.normalize")
+
+
+def test_model_module_is_exclusive_with_model_name_and_names_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "user_models_for_config_test.py").write_text(
+        "import flax.linen as nn\n"
+        "NOT_CALLABLE = 3\n"
+        "def build(num_classes, width=4, *, remat=None):\n"
+        "    return nn.Dense(num_classes)\n"
+        "def not_a_module(num_classes):\n"
+        "    return 'dense'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = "user_models_for_config_test"
+    cfg = load_config(None, [f"model.module={mod}:build", "model.options={width: 8}"])
+    assert cfg.model.name is None and cfg.model.label == f"{mod}:build"
+    spec = cfg.model.spec()
+    assert spec.task == "classify" and set(spec.options.model_fields) == {
+        "num_classes",
+        "width",
+        "remat",
+    }
+    built = models.build(spec, num_classes=3, width=8)
+    assert built.features == 3
+    assert load_config(None, []).model.name == "revnet38"  # the default without a module
+    lm = load_config(
+        None, [f"model.module={mod}:build", "model.task=lm", "data.source=corpus", "remat=none"]
+    )
+    assert lm.model.spec().task == "lm"
+
+    def error(*overrides: str) -> tuple[str, str]:
+        ((path, msg),) = errors_of(None, overrides).items()
+        return path, msg
+
+    path, msg = error(f"model.module={mod}:build", "model.name=resnet32")
+    assert path == "model" and "not both" in msg and "Fix: drop model.name" in msg
+    path, msg = error("model.task=lm")
+    assert path == "model" and "applies to model.module only" in msg
+    path, msg = error("model.module=no_such_pkg_for_test.models:build")
+    assert path == "model.module" and "cannot import 'no_such_pkg_for_test.models'" in msg
+    assert "PYTHONPATH" in msg and "model.module='no_such_pkg_for_test.models:build'" in msg
+    path, msg = error(f"model.module={mod}:buidl")
+    assert path == "model.module" and "has no attribute 'buidl'" in msg
+    assert "['build', 'not_a_module']" in msg
+    path, msg = error(f"model.module={mod}:NOT_CALLABLE")
+    assert path == "model.module" and "is a int, not callable" in msg
+    path, msg = error(f"model.module={mod}")
+    assert path == "model.module" and "'package.module:build'" in msg
+    path, msg = error(f"model.module={mod}:build", "model.options={depth: 3}")
+    assert path == "model.options.depth" and "unknown key" in msg
+    path, msg = error(f"model.module={mod}:not_a_module", "remat={save: [x]}")
+    assert path == "remat" and "takes no remat plan option" in msg
+    path, msg = error(f"model.module={mod}:build", "remat=full")
+    assert path == "remat" and "no remat presets" in msg
+    bad = load_config(None, [f"model.module={mod}:not_a_module"]).model.spec()
+    with pytest.raises(models.ModuleError, match="returned a str, not a flax.linen.Module"):
+        models.build(bad, num_classes=3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from train.config import Data
-from train.data import Batches, eval_batches, load, read_idx
+from train.data import CROP_PAD, Batches, Dataset, crop_flip, eval_batches, load, read_idx
 from train.errors import SetupError
 
 
@@ -112,25 +112,126 @@ def test_synthetic_shapes():
     assert lm.num_examples("train") == 64 and lm.examples(np.arange(3))["x"].shape == (3, 16)
 
 
+def _ids(batch) -> list[float]:
+    return batch["x"].reshape(-1).tolist()  # each example's unique pixel names it
+
+
+def _take(batches: Batches, n: int) -> list:
+    try:
+        return [next(batches) for _ in range(n)]
+    finally:
+        batches.close()
+
+
 def test_batches_are_keyed_by_seed_and_epoch_and_resume_exactly():
     ds = load(
         Data(source="synthetic", synthetic={"num_examples": 40, "image_shape": (1, 1, 1)}),
         task="classify",
     )
-    ids = lambda b: b["x"].reshape(-1).tolist()  # each example's unique pixel names it
     run = Batches(ds, global_batch=8, seed=3)
-    seen = [ids(next(run)) for _ in range(12)]  # 5 batches per epoch: crosses two epochs
+    seen = [_ids(next(run)) for _ in range(7)]  # 5 batches per epoch: into the second epoch
+    state = run.get_state()
+    assert state == {"next_index": 7} and run.position == 7 and run.epoch == 7 / 5
+    seen += [_ids(b) for b in _take(run, 5)]
     assert sorted(sum(seen[:5], [])) == sorted(ds.train_x.reshape(-1).tolist())
+    assert sorted(sum(seen[5:10], [])) == sorted(ds.train_x.reshape(-1).tolist())
     assert seen[:5] != seen[5:10]  # a new order each epoch
-    resumed = Batches(ds, global_batch=8, seed=3, position=7)
-    assert [ids(next(resumed)) for _ in range(5)] == seen[7:12]
-    assert [ids(next(Batches(ds, global_batch=8, seed=4)))] != seen[:1]
+    resumed = Batches(ds, global_batch=8, seed=3, state=state, prefetch=0)
+    assert [_ids(b) for b in _take(resumed, 5)] == seen[7:12]
+    assert _ids(_take(Batches(ds, global_batch=8, seed=4), 1)[0]) != seen[0]
     halves = [
         Batches(ds, global_batch=8, seed=3, process_index=i, process_count=2) for i in range(2)
     ]
-    assert ids(next(halves[0])) + ids(next(halves[1])) == seen[0]
+    assert _ids(_take(halves[0], 1)[0]) + _ids(_take(halves[1], 1)[0]) == seen[0]
     with pytest.raises(ValueError, match="fewer than one global batch"):
         Batches(ds, global_batch=64, seed=0)
+
+
+def _is_crop_flip_of(out: np.ndarray, image: np.ndarray) -> bool:
+    pad = 2 * CROP_PAD + 1
+    return any(
+        np.array_equal(crop_flip(image[None], np.array([[i, j]]), np.array([f]))[0], out)
+        for i in range(pad)
+        for j in range(pad)
+        for f in (False, True)
+    )
+
+
+def test_crop_flip_is_drawn_per_seed_and_step_for_the_global_batch():
+    # Images 6x6 whose pixels are all distinct (1 .. 36 * N): a crop of another image would show.
+    n, side = 12, 6
+    x = np.arange(1, n * side * side + 1, dtype=np.float32).reshape(n, side, side, 1)
+    ds = Dataset("classify", x, np.arange(n) % 3, x[:4], np.zeros(4), num_classes=3)
+    kw = dict(global_batch=4, seed=5, augment="crop_flip")
+    plain = _take(Batches(ds, global_batch=4, seed=5), 6)
+    run = _take(Batches(ds, **kw), 6)
+    for a, p in zip(run, plain, strict=True):
+        np.testing.assert_array_equal(a["y"], p["y"])  # the same examples in the same rows,
+        for out, image in zip(a["x"], p["x"], strict=True):  # each a crop (and flip) of its own
+            assert _is_crop_flip_of(out, image)
+    stacked = np.stack([b["x"] for b in run])
+    assert not np.array_equal(stacked, np.stack([b["x"] for b in plain]))
+    assert (stacked == 0).any()  # some crops reach into the (black) padding
+    again = _take(Batches(ds, **kw, state={"next_index": 3}), 3)
+    for a, b in zip(again, run[3:], strict=True):
+        np.testing.assert_array_equal(a["x"], b["x"])
+    other_seed = _take(Batches(ds, **{**kw, "seed": 6}), 1)[0]["x"]
+    assert not np.array_equal(other_seed, run[0]["x"])
+    halves = [_take(Batches(ds, **kw, process_index=i, process_count=2), 2) for i in range(2)]
+    for step in range(2):
+        whole = np.concatenate([halves[0][step]["x"], halves[1][step]["x"]])
+        np.testing.assert_array_equal(whole, run[step]["x"])
+    with pytest.raises(SetupError, match="applies to images"):
+        lm = load(Data(source="synthetic", seq_len=4), task="lm")
+        Batches(lm, global_batch=4, seed=0, augment="crop_flip")
+
+
+def test_per_channel_normalization_uses_the_training_split():
+    cfg = Data(
+        source="synthetic",
+        normalize="per_channel",
+        synthetic={"num_examples": 64, "image_shape": (3, 3, 2)},
+    )
+    raw = load(cfg.model_copy(update={"normalize": "none"}), task="classify")
+    ds = load(cfg, task="classify")
+    mean = raw.train_x.mean(axis=(0, 1, 2), dtype=np.float64)
+    std = raw.train_x.std(axis=(0, 1, 2), dtype=np.float64)
+    np.testing.assert_allclose(ds.train_x.mean(axis=(0, 1, 2)), 0, atol=1e-6)
+    np.testing.assert_allclose(ds.train_x.std(axis=(0, 1, 2)), 1, rtol=1e-5)
+    np.testing.assert_allclose(ds.test_x, (raw.test_x - mean) / std, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ds.black, -mean / std, rtol=1e-6)
+    assert ds.train_x.dtype == ds.test_x.dtype == np.float32
+    with pytest.raises(SetupError, match="applies to images"):
+        load(Data(source="synthetic", normalize="per_channel"), task="lm")
+
+
+def test_token_file_is_memory_mapped_and_read_lazily(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16)
+    ids[-1] = 4000  # the largest id, in the test split
+    ids.tofile(tmp_path / "tok.bin")
+    cfg = Data(source="tokens", path=str(tmp_path / "tok.bin"), seq_len=16, test_fraction=0.1)
+    ds = load(cfg, task="lm")
+    assert isinstance(ds.train_x, np.memmap) and ds.train_x.dtype == np.uint16
+    assert ds.vocab_size == 4001 and len(ds.train_x) == 900 and len(ds.test_x) == 100
+    batch = ds.examples(np.array([0, 3]))
+    assert batch["x"].dtype == np.int32 and batch["x"].shape == (2, 16)
+    np.testing.assert_array_equal(batch["x"][1], ids[48:64])
+    np.testing.assert_array_equal(batch["y"][1], ids[49:65])
+    first = _take(Batches(ds, global_batch=4, seed=0), 1)[0]
+    for row in first["x"]:  # a window of the training tokens, at a multiple of seq_len
+        assert row[0] % 16 == 0 and row.tolist() == list(range(row[0], row[0] + 16))
+    given = load(Data(**{**cfg.model_dump(), "tokens": {"vocab_size": 4096}}), task="lm")
+    assert given.vocab_size == 4096
+    as_int32 = np.arange(100, dtype=np.int32)
+    as_int32.tofile(tmp_path / "i32.bin")
+    wide = load(
+        Data(source="tokens", path=str(tmp_path / "i32.bin"), seq_len=4, tokens={"dtype": "int32"}),
+        task="lm",
+    )
+    np.testing.assert_array_equal(wide.examples(np.array([1]))["x"][0], [4, 5, 6, 7])
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
+    with pytest.raises(SetupError, match="not a multiple of uint16"):
+        load(Data(source="tokens", path=str(tmp_path / "odd.bin")), task="lm")
 
 
 def test_eval_batches_pad_and_mask_the_last_batch():
@@ -146,3 +247,31 @@ def test_eval_batches_pad_and_mask_the_last_batch():
     assert len(batches) == 2 and all(b["x"].shape == (4, 1, 1, 1) for b in batches)
     assert batches[-1]["mask"].tolist() == [1, 0, 0, 0]
     assert sum(b["mask"].sum() for b in batches) == ds.num_examples("test") == 5
+
+
+def test_a_checkpoint_without_grain_state_is_refused_naming_the_fix(tmp_path):
+    # A checkpoint of the loader before grain holds only data_position; the grain pipeline orders
+    # the examples differently, so it cannot continue the same batches: CheckpointError (exit
+    # code 4) naming --restart. The checkpoint and the experiment are stand-ins: the refusal
+    # comes before the restored state is used.
+    from types import SimpleNamespace
+
+    from train import loop
+
+    class OldCheckpoint:
+        directory = tmp_path / "checkpoints"
+
+        def __init__(self, meta):
+            self.meta = meta
+
+        def restore_latest(self, abstract, **kwargs):
+            return None, self.meta, 2
+
+    exp = SimpleNamespace(abstract=None, is_main=False, say=lambda s: None)
+    old = OldCheckpoint({"step": 2, "data_position": 2})
+    with pytest.raises(loop.CheckpointError, match="before grain") as info:
+        loop.restore_or_init(exp, old, allow_dtype_cast=False, allow_config_change=False)
+    assert "data_position=2" in str(info.value) and "Fix: --restart" in str(info.value)
+    new = OldCheckpoint({"step": 2, "data_position": 2, "data_state": {"next_index": 2}})
+    _, resume = loop.restore_or_init(exp, new, allow_dtype_cast=False, allow_config_change=False)
+    assert resume == loop.Resume(step=2, data_state={"next_index": 2}, checkpoint=2)

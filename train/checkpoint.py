@@ -1,7 +1,8 @@
 """Orbax checkpointing, in one place.
 
 A checkpoint is one step directory holding two items: ``state`` (the whole :class:`TrainState`,
-each array saved by its shards) and ``meta`` (JSON: the data iterator's position and the step).
+each array saved by its shards) and ``meta`` (JSON: the step, the data position and the data
+iterator's grain state).
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
 complete), so a run killed mid-save leaves the previous checkpoint as the latest complete one.
 The last ``keep`` checkpoints are kept, plus the best ``keep_best`` by an eval metric.
@@ -211,6 +212,7 @@ class Checkpointer:
         state: TrainState,
         *,
         data_position: int,
+        data_state: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = False,
     ) -> bool:
@@ -238,7 +240,9 @@ class Checkpointer:
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
                 f"last valid checkpoint is {self._last_valid()}."
             )
-        meta = {"step": step, "data_position": data_position}
+        meta: dict[str, Any] = {"step": step, "data_position": data_position}
+        if data_state is not None:
+            meta["data_state"] = data_state  # grain's iterator state: resumes the batches exactly
         head = {
             "step": step,
             "config_hash": self.config_hash,
@@ -320,7 +324,8 @@ class Checkpointer:
         """Restores ``step`` onto the shardings and dtypes of ``abstract_state`` (unverified).
 
         Returns:
-          The state and the meta dict (``data_position``, ``step``).
+          The state and the meta dict (``step``, ``data_position`` and, when saved,
+          ``data_state``).
         """
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

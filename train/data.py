@@ -1,7 +1,8 @@
-"""Data sets and deterministic batching.
+"""Data sets, and training batches through a grain pipeline.
 
-Every source is loaded once into host memory as numpy arrays (:class:`Dataset`); nothing is
-downloaded at run time. The embedded defaults are real data that every install has:
+Every source except ``tokens`` is loaded once into host memory as numpy arrays
+(:class:`Dataset`); ``tokens`` memory-maps its file, so only the windows a batch needs are read.
+Nothing is downloaded at run time. The embedded defaults are real data that every install has:
 
 - ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes), split
   into train/test by a fixed seed.
@@ -9,47 +10,67 @@ downloaded at run time. The embedded defaults are real data that every install h
   (``pydoc_data.topics``), as UTF-8 bytes (a 256-token character-level LM corpus).
 
 Users' own data comes in standard formats: a CIFAR-10 python-pickle directory, MNIST IDX files,
-``.npz`` arrays and plain text files. ``synthetic`` makes random data of a given shape.
+``.npz`` arrays, plain text files and flat binary token files. ``synthetic`` makes random data
+of a given shape. Images may be normalized per channel (the training split's mean and standard
+deviation, applied to both splits at load) and, for training, augmented with the RevNet paper's
+pad-4 random crop and horizontal flip (:func:`crop_flip`).
 
-Batches are deterministic: example order is a permutation keyed by ``(seed, epoch)``, and the
-iterator's only state is its position (batches consumed), which the checkpoint stores, so a
-resumed run sees exactly the batches the uninterrupted run would have seen.
+Training batches come from a `grain <https://google-grain.readthedocs.io>`_ ``MapDataset``
+(:func:`train_pipeline`): grain shuffles the example ids per epoch, batches them, repeats, draws
+the augmentation per step and reads the rows on its prefetch threads. Everything is a function of
+``(seed, step)``, so grain's iterator state is just the next step, which the checkpoint stores
+(:meth:`Batches.get_state`); a resumed run sees exactly the batches the uninterrupted run would.
 
 >>> ds = load(Data(source="synthetic", synthetic={"num_examples": 10, "image_shape": (2, 2, 1)}),
 ...           task="classify")
 >>> it = Batches(ds, global_batch=4, seed=0)
->>> first = next(it)["x"]; first.shape, it.position
-((4, 2, 2, 1), 1)
+>>> first = next(it)["x"]; first.shape, it.get_state()
+((4, 2, 2, 1), {'next_index': 1})
 >>> np.array_equal(next(Batches(ds, global_batch=4, seed=0))["x"], first)
 True
+>>> it.close()
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import grain
 import numpy as np
 
 from train.config import Data
 from train.errors import SetupError
 
-__all__ = ["Batches", "Dataset", "eval_batches", "load", "read_idx"]
+__all__ = [
+    "Batches",
+    "Dataset",
+    "crop_flip",
+    "eval_batches",
+    "load",
+    "read_idx",
+    "train_pipeline",
+]
 
 Task = Literal["classify", "lm"]
+
+#: Pixels of padding around each image before the random crop (RevNet / ResNet on CIFAR).
+CROP_PAD = 4
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """Train and test examples in host memory.
+    """Train and test examples (in host memory, or memory-mapped for ``tokens``).
 
     Attributes:
       task: ``"classify"`` (images and labels) or ``"lm"`` (a token stream).
-      train_x: classify: (N, H, W, C) float32; lm: (N_tokens,) int32.
+      train_x: classify: (N, H, W, C) float32; lm: (N_tokens,) integer token ids (int32, or the
+        file's dtype when memory-mapped).
       train_y: classify: (N,) int32; lm: None.
       test_x: as ``train_x``, the held-out split.
       test_y: as ``train_y``.
@@ -57,6 +78,8 @@ class Dataset:
       vocab_size: lm: number of token ids; classify: None.
       seq_len: lm: tokens per example (each example is seq_len + 1 tokens: inputs and targets).
       name: where it came from, for logs.
+      black: classify: (C,) float32, the value of a black pixel after normalization (what
+        :func:`crop_flip` pads with); zeros without normalization.
     """
 
     task: Task
@@ -68,6 +91,7 @@ class Dataset:
     vocab_size: int | None = None
     seq_len: int = 0
     name: str = ""
+    black: np.ndarray | None = None
 
     def num_examples(self, split: str = "train") -> int:
         x = self.train_x if split == "train" else self.test_x
@@ -80,8 +104,9 @@ class Dataset:
         x = self.train_x if split == "train" else self.test_x
         if self.task == "lm":
             t = self.seq_len
-            windows = np.stack([x[i * t : i * t + t + 1] for i in idx])  # (B, T + 1)
-            return {"x": windows[:, :-1], "y": windows[:, 1:]}
+            # Only these windows are read (from the page cache, for a memory-mapped file).
+            windows = np.stack([x[i * t : i * t + t + 1] for i in idx]).astype(np.int32)
+            return {"x": windows[:, :-1], "y": windows[:, 1:]}  # (B, T) each
         y = self.train_y if split == "train" else self.test_y
         assert y is not None
         return {"x": x[idx], "y": y[idx]}
@@ -91,20 +116,147 @@ class Dataset:
         return self.examples(np.arange(batch_size) % self.num_examples("train"))
 
 
-class Batches:
-    """Deterministic, resumable iterator over global training batches.
+# --- training batches ---------------------------------------------------------------------------
 
-    Epoch ``e`` visits the examples in the order ``default_rng([seed, e]).permutation(N)``,
-    ``N // global_batch`` full batches per epoch (the remainder is dropped). In a multi-process
-    run each process yields only its rows ``[p * B / P, (p + 1) * B / P)`` of every global batch.
+
+def crop_flip(
+    x: np.ndarray, offsets: np.ndarray, flips: np.ndarray, *, fill: np.ndarray | None = None
+) -> np.ndarray:
+    """Pads each image by :data:`CROP_PAD`, crops it back at ``offsets`` and flips where asked.
+
+    Args:
+      x: (B, H, W, C) images.
+      offsets: (B, 2) int, the crop's top-left corner in the padded image, each in
+        ``[0, 2 * CROP_PAD]`` (``CROP_PAD, CROP_PAD`` is the original image).
+      flips: (B,) bool, flip left-right.
+      fill: (C,) value of the padding (default 0).
+
+    Returns:
+      (B, H, W, C) images of ``x``'s dtype.
+
+    References:
+      He et al. 2016 (ResNet) Section 4.2, followed by Gomez et al. 2017 (RevNet) for CIFAR.
+
+    >>> x = np.arange(4.0).reshape(1, 2, 2, 1)
+    >>> crop_flip(x, np.array([[CROP_PAD, CROP_PAD]]), np.array([True]))[0, ..., 0]
+    array([[1., 0.],
+           [3., 2.]])
+    >>> crop_flip(x, np.array([[CROP_PAD + 1, CROP_PAD]]), np.array([False]))[0, ..., 0]
+    array([[2., 3.],
+           [0., 0.]])
+    """
+    b, h, w, c = x.shape
+    p = CROP_PAD
+    padded = np.empty((b, h + 2 * p, w + 2 * p, c), x.dtype)  # (B, H + 2p, W + 2p, C)
+    padded[...] = 0 if fill is None else fill
+    padded[:, p : p + h, p : p + w] = x
+    rows = offsets[:, 0, None] + np.arange(h)  # (B, H)
+    cols = offsets[:, 1, None] + np.arange(w)  # (B, W)
+    cols = np.where(flips[:, None], cols[:, ::-1], cols)
+    return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def _draw_crop_flip(ids: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # The whole global batch's draws, so a row's crop does not depend on the process count.
+    n = len(ids)
+    offsets = rng.integers(0, 2 * CROP_PAD + 1, (n, 2))  # (B, 2)
+    return {"ids": ids, "offsets": offsets, "flips": rng.random(n) < 0.5}
+
+
+def _local_rows(step: dict[str, np.ndarray], *, rows: slice) -> dict[str, np.ndarray]:
+    return {k: v[rows] for k, v in step.items()}
+
+
+def _read(step: dict[str, np.ndarray], *, dataset: Dataset) -> dict[str, np.ndarray]:
+    batch = dataset.examples(step["ids"])
+    if "offsets" in step:
+        batch["x"] = crop_flip(batch["x"], step["offsets"], step["flips"], fill=dataset.black)
+    return batch
+
+
+def train_pipeline(
+    dataset: Dataset,
+    *,
+    global_batch: int,
+    seed: int,
+    augment: str = "none",
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
+    """The endless grain dataset of this process's training batches, one element per step.
+
+    Element ``s`` is step ``s``'s batch: epoch ``e = s // (N // global_batch)`` visits the N
+    example ids in grain's ``shuffle`` order keyed by ``(seed, e)``; each step takes the next
+    ``global_batch`` of them (the remainder of an epoch is dropped); ``crop_flip`` augmentation
+    is drawn for the whole global batch from an rng keyed by ``(seed, s)``. Only then does the
+    index shard over processes: process ``p`` keeps rows ``[p * B / P, (p + 1) * B / P)`` of the
+    step's ids and draws and reads only those examples. So the global batch of every step is the
+    same whatever the number of processes (a checkpoint resumes on another process count, and a
+    2-process run trains like a 1-process run).
 
     Args:
       dataset: the examples.
       global_batch: batch size over all processes and devices.
-      seed: keys the shuffles.
-      position: batches already consumed (restore it from a checkpoint to resume).
+      seed: keys the shuffles and the augmentation.
+      augment: ``"none"`` or ``"crop_flip"`` (images only).
       process_index: this process's index.
       process_count: number of processes.
+
+    Raises:
+      SetupError: fewer examples than one global batch, a batch that does not split over the
+        processes, or augmentation of token data.
+    """
+    n = dataset.num_examples("train")
+    if n < global_batch:
+        raise SetupError(
+            f"data: the training split has {n} examples, fewer than one global batch of "
+            f"{global_batch}. Fix: lower data.batch_size (or data.seq_len)."
+        )
+    if global_batch % process_count:
+        raise SetupError(
+            f"data: global batch {global_batch} does not split over {process_count} processes."
+        )
+    if augment != "none" and dataset.task != "classify":
+        raise SetupError(
+            f"data.augment={augment!r} applies to images; {dataset.name} is token data. Fix: "
+            "data.augment=none."
+        )
+    rows = slice(
+        process_index * global_batch // process_count,
+        (process_index + 1) * global_batch // process_count,
+    )
+    ids = (
+        grain.MapDataset.range(n)
+        .seed(seed)
+        .shuffle()  # epoch e is reshuffled (grain keys each epoch's permutation by seed + e)
+        .batch(global_batch, drop_remainder=True)  # (B,) example ids per step
+        .repeat()  # endless: element s is step s
+    )
+    if augment == "crop_flip":
+        steps = ids.random_map(_draw_crop_flip)  # rng keyed by (seed, step)
+    else:
+        steps = ids.map(lambda b: {"ids": b})
+    local = steps.map(functools.partial(_local_rows, rows=rows))  # this process's rows
+    return local.map(functools.partial(_read, dataset=dataset))
+
+
+class Batches:
+    """This process's training batches: a grain iterator over :func:`train_pipeline`.
+
+    ``read_threads`` grain threads read (and augment) up to ``prefetch`` batches ahead of the
+    step. :meth:`get_state` is grain's iterator state (``{"next_index": steps consumed}``, the same
+    on every process); a new ``Batches`` given it continues with the very next batch.
+
+    Args:
+      dataset: the examples.
+      global_batch: batch size over all processes and devices.
+      seed: keys the shuffles and the augmentation.
+      augment: ``"none"`` or ``"crop_flip"``.
+      state: a :meth:`get_state` to resume from (restore it from a checkpoint).
+      process_index: this process's index.
+      process_count: number of processes.
+      prefetch: batches read ahead (0: read in ``next``).
+      read_threads: threads reading them.
     """
 
     def __init__(
@@ -113,52 +265,51 @@ class Batches:
         *,
         global_batch: int,
         seed: int,
-        position: int = 0,
+        augment: str = "none",
+        state: dict[str, Any] | None = None,
         process_index: int = 0,
         process_count: int = 1,
+        prefetch: int = 2,
+        read_threads: int = 1,
     ):
-        n = dataset.num_examples("train")
-        if n < global_batch:
-            raise SetupError(
-                f"data: the training split has {n} examples, fewer than one global batch of "
-                f"{global_batch}. Fix: lower data.batch_size (or data.seq_len)."
-            )
-        if global_batch % process_count:
-            raise SetupError(
-                f"data: global batch {global_batch} does not split over {process_count} processes."
-            )
-        self.dataset = dataset
-        self.global_batch = global_batch
-        self.seed = seed
-        self.position = position
-        self.steps_per_epoch = n // global_batch
-        self._local = slice(
-            process_index * global_batch // process_count,
-            (process_index + 1) * global_batch // process_count,
+        pipeline = train_pipeline(
+            dataset,
+            global_batch=global_batch,
+            seed=seed,
+            augment=augment,
+            process_index=process_index,
+            process_count=process_count,
         )
-        self._perm_epoch = -1
-        self._perm = np.empty(0, np.int64)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.dataset.num_examples("train"))
-            self._perm_epoch = epoch
-        return self._perm
+        self.steps_per_epoch = dataset.num_examples("train") // global_batch
+        options = grain.ReadOptions(
+            num_threads=read_threads if prefetch else 0, prefetch_buffer_size=prefetch
+        )
+        self._it = iter(pipeline.to_iter_dataset(options))
+        if state is not None:
+            self._it.set_state(state)
 
     def __iter__(self) -> Batches:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        epoch, offset = divmod(self.position, self.steps_per_epoch)
-        b = self.global_batch
-        idx = self._order(epoch)[offset * b : (offset + 1) * b][self._local]
-        self.position += 1
-        return self.dataset.examples(idx)
+        return next(self._it)
+
+    def get_state(self) -> dict[str, Any]:
+        """grain's iterator state (JSON): what a checkpoint stores to resume the data exactly."""
+        return self._it.get_state()
+
+    @property
+    def position(self) -> int:
+        """Batches consumed (steps taken)."""
+        return int(self._it.get_state()["next_index"])
 
     @property
     def epoch(self) -> float:
         return self.position / self.steps_per_epoch
+
+    def close(self) -> None:
+        """Stops the prefetch threads."""
+        self._it.close()
 
 
 def eval_batches(
@@ -366,16 +517,76 @@ def load_synthetic(cfg: Data, task: Task) -> Dataset:
     return _classify("synthetic", x[tr], y[tr], x[te], y[te], num_classes=s.num_classes)
 
 
+def load_tokens(cfg: Data) -> Dataset:
+    """A flat binary file of token ids (``data.tokens.dtype``, no header), memory-mapped.
+
+    Nothing is read here but the pages a vocabulary scan touches (only when
+    ``data.tokens.vocab_size`` is unset); batches read their windows when they are drawn. The
+    last ``test_fraction`` of the tokens is held out.
+    """
+    path = Path(cfg.path or "")
+    dtype = np.dtype(cfg.tokens.dtype)
+    size = path.stat().st_size if path.is_file() else -1
+    if size < 0 or size % dtype.itemsize:
+        what = "does not exist" if size < 0 else f"holds {size} bytes, not a multiple of {dtype}"
+        raise SetupError(
+            f"data.path={str(path)!r} {what}. Fix: data.path is a flat file of "
+            f"{cfg.tokens.dtype} token ids (e.g. np.asarray(ids, np.{dtype}).tofile(path)); "
+            "data.tokens.dtype must be the dtype it was written with."
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r")  # (N_tokens,), on disk
+    vocab = cfg.tokens.vocab_size
+    if vocab is None:
+        chunk = 1 << 24  # a streaming max: 16M tokens of memory at a time
+        vocab = 1 + max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+    cut = int(len(tokens) * (1 - cfg.test_fraction))
+    train, test = tokens[:cut], tokens[cut:]
+    if (len(test) - 1) // cfg.seq_len < 1:
+        raise SetupError(
+            f"data.path={str(path)!r} holds {len(tokens)} tokens; the test split is shorter than "
+            f"one window of data.seq_len={cfg.seq_len}. Fix: more tokens or a smaller seq_len."
+        )
+    return Dataset(
+        "lm", train, None, test, None, vocab_size=vocab, seq_len=cfg.seq_len, name=f"tokens:{path}"
+    )
+
+
+def normalize_per_channel(ds: Dataset) -> Dataset:
+    """Both splits minus the training split's per-channel mean, over its standard deviation.
+
+    >>> x = np.stack([np.zeros((2, 2)), np.ones((2, 2))])[..., None].astype(np.float32)
+    >>> ds = normalize_per_channel(Dataset("classify", x, np.zeros(2), x, np.zeros(2)))
+    >>> ds.train_x[:, 0, 0, 0], ds.black
+    (array([-1.,  1.], dtype=float32), array([-1.], dtype=float32))
+    """
+    x = ds.train_x
+    mean = x.mean(axis=(0, 1, 2), dtype=np.float64)  # (C,)
+    std = x.std(axis=(0, 1, 2), dtype=np.float64)  # (C,)
+    std = np.where(std > 0, std, 1.0)  # a constant channel stays constant (0), not NaN
+    scale = lambda a: ((a - mean) / std).astype(np.float32)
+    return replace(ds, train_x=scale(x), test_x=scale(ds.test_x), black=scale(np.zeros_like(mean)))
+
+
 def load(cfg: Data, *, task: Task) -> Dataset:
-    """Loads the configured source for a model of ``task``."""
+    """Loads the configured source for a model of ``task`` (normalized if configured)."""
     if cfg.source == "synthetic":
-        return load_synthetic(cfg, task)
-    loader = {
-        "digits": load_digits,
-        "cifar10": load_cifar10,
-        "mnist": load_mnist,
-        "npz": load_npz,
-        "text": load_text,
-        "corpus": load_corpus,
-    }[cfg.source]
-    return loader(cfg)
+        ds = load_synthetic(cfg, task)
+    else:
+        loader = {
+            "digits": load_digits,
+            "cifar10": load_cifar10,
+            "mnist": load_mnist,
+            "npz": load_npz,
+            "text": load_text,
+            "corpus": load_corpus,
+            "tokens": load_tokens,
+        }[cfg.source]
+        ds = loader(cfg)
+    if cfg.normalize == "per_channel":
+        if ds.task != "classify":
+            raise SetupError(
+                f"data.normalize={cfg.normalize!r} applies to images; {ds.name} is token data. "
+                "Fix: data.normalize=none."
+            )
+        ds = normalize_per_channel(ds)
+    return ds

@@ -14,7 +14,9 @@ A run takes five named steps, each a function below, read top to bottom:
         checksums; a step that does not verify is moved aside, see train/checkpoint.py);
      b. restore the state onto this run's mesh shardings (any device count);
      c. re-materialise it on device, so the first step donates like every other (jax#18617);
-     d. move the data iterator to the restored position, so batches continue exactly;
+     d. restore the data iterator's grain state, so batches continue exactly (a checkpoint
+        written before the grain pipeline holds only a position and is refused: its data order
+        cannot be continued);
      e. drop lines of metrics.jsonl past the restored step (logged after that checkpoint).
 4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
    eval and checkpoint steps; in between, steps are dispatched asynchronously and their metrics
@@ -315,13 +317,14 @@ def build_experiment(
     if cfg.train.compile_cache and not jax.config.jax_compilation_cache_dir:
         cache_dir = Path(cfg.train.compile_cache).expanduser().absolute()
         jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    spec = models.get(cfg.model.name)
+    spec = _model_spec(cfg)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)
     # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
     # (the model's default plan).
     plan = remat_lib.resolve(cfg)
-    model = models.build(cfg.model.name, **remat_lib.model_options_with_plan(options, plan))
+    build = lambda p: _build_model(spec, remat_lib.model_options_with_plan(options, p))
+    model = build(plan)
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
@@ -341,7 +344,7 @@ def build_experiment(
     has_bn = bool(jax.tree.leaves(abstract.batch_stats))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
     say(
-        f"model {cfg.model.name}: {n_params:,} params | data {dataset.name}: "
+        f"model {cfg.model.label}: {n_params:,} params | data {dataset.name}: "
         f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "
         f"mesh {dict(mesh.shape)} on {jax.process_count()} process(es), "
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
@@ -356,9 +359,7 @@ def build_experiment(
         plan = autoplan.load_or_plan(
             plan,
             run_dir=plan_file.parent,
-            build=lambda p: models.build(
-                cfg.model.name, **remat_lib.model_options_with_plan(options, p)
-            ),
+            build=build,
             abstract_state=unsharded,
             batch={
                 k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
@@ -370,7 +371,7 @@ def build_experiment(
             write=is_main and not dry_run,
         )
         # Same parameters, the chosen plan.
-        model = models.build(cfg.model.name, **remat_lib.model_options_with_plan(options, plan))
+        model = build(plan)
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
@@ -422,6 +423,22 @@ def build_experiment(
         say=say,
         out=out,
     )
+
+
+def _model_spec(cfg: Config) -> models.ModelSpec:
+    # The config was checked against the registry on load; a module (model.module) that stopped
+    # importing since is reported like a config error.
+    try:
+        return cfg.model.spec()
+    except models.ModuleError as e:
+        raise SetupError(str(e)) from None
+
+
+def _build_model(spec: models.ModelSpec, options: dict[str, Any]) -> Any:
+    try:
+        return models.build(spec, **options)
+    except models.ModuleError as e:  # model.module's build returned something else than a Module
+        raise SetupError(str(e)) from None
 
 
 def _schedule_steps(cfg: Config) -> int:
@@ -493,10 +510,10 @@ def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a run starts: the step, the data position, and the checkpoint it came from."""
+    """Where a run starts: the step, the data iterator's grain state, and its checkpoint."""
 
     step: int = 0
-    data_position: int = 0
+    data_state: dict[str, Any] | None = None
     checkpoint: int | None = None
 
 
@@ -522,7 +539,15 @@ def restore_or_init(
         resume = Resume()
     else:
         state, meta, latest = found
-        resume = Resume(int(meta["step"]), int(meta["data_position"]), latest)  # d
+        if "data_state" not in meta:  # d
+            raise CheckpointError(
+                f"checkpoint step {latest} in {ckpt.directory} was written by the data loader "
+                f"before grain: it holds only data_position={meta.get('data_position')}, and "
+                "the grain pipeline orders the examples differently, so the run cannot continue "
+                "with the batches it would have seen. Fix: --restart (train again from step 0 "
+                "with this version), or finish the run with the remat_nn version that wrote it."
+            )
+        resume = Resume(int(meta["step"]), dict(meta["data_state"]), latest)
         if exp.is_main:
             _truncate_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
         exp.say(f"resumed from {ckpt.directory / str(latest)} (step {resume.step})")
@@ -670,9 +695,12 @@ def train_loop(
         exp.dataset,
         global_batch=exp.global_batch,
         seed=cfg.train.seed,
-        position=resume.data_position,
+        augment=cfg.data.augment,
+        state=resume.data_state,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        prefetch=cfg.data.prefetch,
+        read_threads=cfg.data.read_threads,
     )
     metrics = _StepMetrics(
         halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
@@ -759,7 +787,12 @@ def train_loop(
                     ranked = {f"eval_{k}": v for k, v in last_eval.items()}
                 force = step == end or stopping
                 if ckpt.save(
-                    step, state, data_position=batches.position, metrics=ranked, force=force
+                    step,
+                    state,
+                    data_position=batches.position,
+                    data_state=batches.get_state(),
+                    metrics=ranked,
+                    force=force,
                 ):
                     last_ckpt = step
             if stopping:
@@ -770,6 +803,7 @@ def train_loop(
                 )
                 break
     finally:
+        batches.close()
         bar.close()
         stop.restore()
         log.close()

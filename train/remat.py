@@ -64,7 +64,6 @@ def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
     >>> resolve(load_config(None, ["remat=null"])) is None
     True
     """
-    import models
 
     remat: Any = cfg.remat
     if remat is None:
@@ -78,10 +77,10 @@ def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
         return AutoRequest.from_config(remat)
     if isinstance(remat, Mapping):
         return rn.plan(remat)
-    presets = models.get(cfg.model.name).remat_presets
+    presets = cfg.model.spec().remat_presets
     if remat not in presets:
         raise ValueError(
-            f"remat={remat!r}: model {cfg.model.name!r} has no such remat preset; its presets: "
+            f"remat={remat!r}: model {cfg.model.label!r} has no such remat preset; its presets: "
             f"{sorted(presets)}. Fix: load the config with train.config.load_config, which "
             "checks it against the model."
         )

@@ -39,6 +39,7 @@ from train.config._schema import (
     Model,
     Optim,
     Synthetic,
+    Tokens,
     Train,
     safe_field,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "Model",
     "Optim",
     "Synthetic",
+    "Tokens",
     "Train",
     "YamlLoader",
     "apply_overrides",

@@ -17,7 +17,7 @@ from train.config._schema import Config, Model
 
 __all__ = ["registry_errors", "registry_inputs"]
 
-_LM_SOURCES = {"text", "corpus", "synthetic"}
+_LM_SOURCES = {"text", "corpus", "tokens", "synthetic"}
 _IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
 
 
@@ -31,7 +31,7 @@ def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tupl
     if remat is None:
         return None, errors
     if "remat" not in fields:
-        errors.append(("remat", f"model {model.name!r} takes no remat plan option"))
+        errors.append(("remat", f"model {model.label!r} takes no remat plan option"))
     elif "remat" in model.options:
         errors.append(("remat", "set either remat or model.options.remat, not both"))
     given: Any = None
@@ -52,17 +52,24 @@ def registry_errors(
     model: Model, remat: Any, source: str | None, seq_len: int | None
 ) -> list[tuple[str, str]]:
     """The errors of the model section, the top-level remat and the data against the registry."""
-    import models
     from train import autoplan
 
-    if not model.name:
+    if not model.label:
         return []  # the model section itself failed; its errors are already listed
     try:
-        spec = models.get(model.name)
-    except ValueError as e:
-        return [("model.name", str(e))]
+        spec = model.spec()
+    except ValueError as e:  # an unknown name, or a model.module that cannot be used
+        return [("model.module" if model.module else "model.name", str(e))]
     fields = spec.options.model_fields
     given, errors = _remat_errors(model, fields, remat)
+    if model.module and isinstance(given, str) and given not in spec.remat_presets:
+        errors.append(
+            (
+                "remat",
+                f"{given!r}: model.module has no remat presets; give a per-name plan {{save: "
+                "[...], default: recompute}, none, or policy: auto",
+            )
+        )
     opts = dict(model.options)
     if given is not None:
         opts["remat"] = given
@@ -81,7 +88,7 @@ def registry_errors(
         errors.append(
             (
                 "data.source",
-                f"{source!r} does not fit model {model.name!r} (task {spec.task!r}); "
+                f"{source!r} does not fit model {model.label!r} (task {spec.task!r}); "
                 f"use one of {sorted(allowed)}",
             )
         )
@@ -101,7 +108,7 @@ def registry_inputs(tree: dict[str, Any], cfg: Config | None) -> tuple[Any, ...]
     try:
         model = Model.model_validate(tree.get("model") or {})
     except pydantic.ValidationError:
-        return Model.model_construct(name="", options={}), None, None, None
+        return Model.model_construct(name="", module=None, options={}), None, None, None
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     source = data.get("source", "digits") if isinstance(data.get("source", ""), str) else None
     seq_len = data.get("seq_len", 128) if isinstance(data.get("seq_len", 0), int) else None

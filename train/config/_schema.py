@@ -30,6 +30,7 @@ __all__ = [
     "Model",
     "Optim",
     "Synthetic",
+    "Tokens",
     "Train",
     "safe_field",
 ]
@@ -65,14 +66,65 @@ class _Section(pydantic.BaseModel):
 
 
 class Model(_Section):
-    """Which registered model to train (``models.get(name)``) and its constructor options."""
+    """The model to train: a registered one (``name``) or your own (``module``), and its options."""
 
-    name: str = Field("revnet38", description="registered model name (see models.REGISTRY)")
+    name: str | None = Field(
+        None,
+        description="registered model name (see models.REGISTRY; python -m models.summary --list); "
+        "revnet38 unless model.module is set",
+    )
+    module: str | None = Field(
+        None,
+        description="your own model instead of a registered one: 'package.module:build', where "
+        "build(**model.options) returns a flax.linen.Module (a function, or the Module class "
+        "itself); importable from the working directory or PYTHONPATH. See README 'Train your "
+        "model'",
+    )
+    task: Literal["classify", "lm"] | None = Field(
+        None,
+        description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)) or "
+        "lm (int32 tokens (B, T) -> logits (B, T, vocab)); default classify",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="model constructor options, validated by the model's own schema; "
-        "num_classes, vocab_size, image_size and in_channels come from the data if unset",
+        "num_classes, vocab_size, image_size and in_channels come from the data if unset (for "
+        "model.module: when build takes a parameter of that name)",
     )
+
+    @pydantic.model_validator(mode="after")
+    def _one_model(self) -> Model:
+        if self.module is not None and self.name is not None:
+            raise ValueError(
+                f"set model.name or model.module, not both (got name={self.name!r}, "
+                f"module={self.module!r}). Fix: drop model.name to train your own module"
+            )
+        if self.module is None:
+            if self.task is not None:
+                raise ValueError(
+                    f"model.task={self.task!r} applies to model.module only (a registered model "
+                    "has its own task). Fix: drop model.task"
+                )
+            self.name = self.name or "revnet38"
+        return self
+
+    def spec(self) -> Any:
+        """The :class:`models.ModelSpec` to build: the registered ``name``'s or ``module``'s.
+
+        Raises:
+          ValueError: an unknown name, or a module that cannot be imported or used
+            (:class:`models.ModuleError`, naming ``model.module`` and the fix).
+        """
+        import models
+
+        if self.module is not None:
+            return models.from_module(self.module, task=self.task or "classify")
+        return models.get(self.name or "")
+
+    @property
+    def label(self) -> str:
+        """How logs call the model: its registered name or its module reference."""
+        return self.module or self.name or ""
 
 
 class Synthetic(_Section):
@@ -86,18 +138,38 @@ class Synthetic(_Section):
     vocab_size: PositiveInt = Field(256, description="token ids, language modelling only")
 
 
-class Data(_Section):
-    """Where the examples come from and how they are batched."""
+class Tokens(_Section):
+    """A flat binary file of token ids (``data.source: tokens``), memory-mapped, never loaded."""
 
-    source: Literal["digits", "cifar10", "mnist", "npz", "text", "corpus", "synthetic"] = Field(
+    dtype: Literal["uint16", "int32"] = Field(
+        "uint16", description="dtype of each token id in the file (native byte order, no header)"
+    )
+    vocab_size: PositiveInt | None = Field(
+        None,
+        description="token ids are 0 .. vocab_size-1; null: one streaming pass over the file "
+        "finds the largest id at start-up (set it to skip that pass)",
+    )
+
+
+_LM_ONLY_SOURCES = ("text", "corpus", "tokens")
+
+
+class Data(_Section):
+    """Where the examples come from, how they are augmented, and how they are batched."""
+
+    source: Literal[
+        "digits", "cifar10", "mnist", "npz", "text", "corpus", "tokens", "synthetic"
+    ] = Field(
         "digits",
         description="digits: scikit-learn's bundled 8x8 digits (embedded default); cifar10: a "
         "CIFAR-10 python-pickle directory; mnist: a directory of MNIST IDX files; npz: arrays "
         "x_train/y_train[/x_test/y_test]; text: a plain text file (byte-level LM); corpus: the "
-        "Python docs text shipped with every Python (byte-level LM); synthetic: random data",
+        "Python docs text shipped with every Python (byte-level LM); tokens: a flat binary file "
+        "of token ids, memory-mapped (LM, see data.tokens); synthetic: random data",
     )
     path: UserPath | None = Field(
-        None, description="file or directory for cifar10/mnist/npz/text (~ is the home directory)"
+        None,
+        description="file or directory for cifar10/mnist/npz/text/tokens (~ is the home directory)",
     )
     batch_size: PositiveInt | None = Field(
         128, description="global batch size (all devices, all processes)"
@@ -110,15 +182,40 @@ class Data(_Section):
         0.2, gt=0.0, lt=1.0, description="held-out share when the source has no test split"
     )
     split_seed: int = Field(0, description="seed of the fixed train/test split")
+    augment: Literal["none", "crop_flip"] = Field(
+        "none",
+        description="training images only: crop_flip pads 4 pixels (black), takes a random crop "
+        "of the original size and flips it left-right with probability 1/2 (the RevNet / ResNet "
+        "CIFAR augmentation), drawn per (train.seed, step) so a resumed run sees the same crops",
+    )
+    normalize: Literal["none", "per_channel"] = Field(
+        "none",
+        description="images: per_channel subtracts the training split's per-channel mean and "
+        "divides by its standard deviation (train and test alike); none keeps pixels in [0, 1]",
+    )
+    prefetch: NonNegativeInt = safe_field(
+        2, description="training batches grain reads ahead of the step (0: read in the loop)"
+    )
+    read_threads: PositiveInt = safe_field(
+        1, description="grain threads that read and augment the prefetched batches"
+    )
+    tokens: Tokens = Field(default_factory=Tokens)  # type: ignore[arg-type]
     synthetic: Synthetic = Field(default_factory=Synthetic)  # type: ignore[arg-type]
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> Data:
-        needs_path = {"cifar10", "mnist", "npz", "text"}
+        needs_path = {"cifar10", "mnist", "npz", "text", "tokens"}
         if self.source in needs_path and not self.path:
             raise ValueError(f"data.source={self.source!r} needs data.path (a file or directory)")
         if self.batch_size is None and self.batch_size_per_device is None:
             raise ValueError("set data.batch_size (global) or data.batch_size_per_device")
+        if self.source in _LM_ONLY_SOURCES:
+            for key in ("augment", "normalize"):
+                if getattr(self, key) != "none":
+                    raise ValueError(
+                        f"data.{key}={getattr(self, key)!r} applies to images; data.source="
+                        f"{self.source!r} is token data. Fix: drop data.{key}"
+                    )
         return self
 
 
