@@ -192,7 +192,10 @@ def train_pipeline(
     index shard over processes: process ``p`` keeps rows ``[p * B / P, (p + 1) * B / P)`` of the
     step's ids and draws and reads only those examples. So the global batch of every step is the
     same whatever the number of processes (a checkpoint resumes on another process count, and a
-    2-process run trains like a 1-process run).
+    2-process run trains like a 1-process run). grain's own ``ShardByJaxProcess`` /
+    ``ShardOptions`` shard the ids before the shuffle (each process shuffles its own contiguous
+    shard), which would make the global batches, and so the trained model, depend on the
+    process count.
 
     Args:
       dataset: the examples.
