@@ -409,7 +409,10 @@ def load_cifar10(cfg: Data) -> Dataset:
     if not train_files or not (root / "test_batch").exists():
         raise SetupError(
             f"data.path={str(root)!r} is not a CIFAR-10 python directory: expected "
-            "data_batch_1..5 and test_batch (the cifar-10-batches-py folder)."
+            "data_batch_1..5 and test_batch (the cifar-10-batches-py folder). Fix: download "
+            "the python version (cifar-10-python.tar.gz) from "
+            "https://www.cs.toronto.edu/~kriz/cifar.html once and unpack it (nothing downloads "
+            "at run time), or point data.path at the unpacked folder."
         )
     parts = [read(n) for n in train_files]
     xtr = _images(np.concatenate([p[0] for p in parts]))
