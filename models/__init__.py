@@ -319,4 +319,4 @@ def _load_builtin() -> None:
 
 
 # Model files that register themselves on import (each appends its own name here).
-_BUILTIN_MODULES: list[str] = ["models.revnet", "models.transformer"]
+_BUILTIN_MODULES: list[str] = ["models.revnet", "models.transformer", "models.nnx_revnet"]

@@ -118,18 +118,21 @@ def test_remat_nn_keeps_no_module_level_function_cache():
 
 
 def test_core_imports_no_flax():
-    # The core (`import remat_nn`, rn.checkpoint included) is pure JAX; `remat_nn.nn` is where
-    # flax comes in. In a fresh interpreter: this process has imported flax already.
+    # The core (`import remat_nn`, rn.checkpoint included) is pure JAX; `remat_nn.nn` (linen) and
+    # `remat_nn.nnx` (NNX) are where flax comes in. In a fresh interpreter: this process has
+    # imported flax already.
     code = (
         "import sys, remat_nn\n"
         "loaded = lambda p: sorted(m for m in sys.modules if m == p or m.startswith(p + '.'))\n"
-        "assert not loaded('flax') and not loaded('remat_nn.nn'), (loaded('flax'), "
-        "loaded('remat_nn.nn'))\n"
+        "assert not loaded('flax') and not loaded('remat_nn.nn') and not loaded('remat_nn.nnx'), "
+        "(loaded('flax'), loaded('remat_nn.nn'), loaded('remat_nn.nnx'))\n"
         "import remat_nn as rn, jax.numpy as jnp\n"
         "rn.checkpoint(jnp.sin, policy='dots')(jnp.ones(2))\n"
         "assert not loaded('flax'), loaded('flax')\n"
         "from remat_nn import nn\n"
         "assert loaded('flax') and nn.checkpoint is nn.remat\n"
+        "from remat_nn import nnx as rnnx\n"
+        "assert rnnx.checkpoint is rnnx.remat\n"
     )
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
