@@ -3,12 +3,12 @@
 ``NNXRevNet`` is an ``nnx.Module``: a stem convolution, two reversible stages
 (:class:`remat_nn.nnx.ReversibleSequence` of :class:`remat_nn.nnx.AdditiveCoupling`, F and G
 each BatchNorm -> ReLU -> 3x3 convolution), a strided downsampling unit between them (not
-invertible: it keeps its input and, under a remat plan, recomputes through
-:func:`remat_nn.nnx.remat`; its convolution output is named ``conv_out``), then BatchNorm, ReLU,
-global average pooling and a linear head. The registry entry ``nnx_revnet`` wraps it with
-``flax.nnx.bridge.to_linen`` so ``python -m train`` initializes and applies it like any linen
-model: parameters under ``params``, BatchNorm averages under ``batch_stats``, the ``dropout``
-key of the step handed to the NNX module's ``nnx.Rngs``.
+invertible: convolution -> BatchNorm -> ReLU, the convolution's output named ``conv_out``; it
+keeps its input and, under a remat plan, recomputes through :func:`remat_nn.nnx.remat`), then
+BatchNorm, ReLU, global average pooling and a linear head. The registry entry ``nnx_revnet``
+wraps it with ``flax.nnx.bridge.to_linen`` so ``python -m train`` initializes and applies it like
+any linen model: parameters under ``params``, BatchNorm averages under ``batch_stats``, the
+``dropout`` key of the step handed to the NNX module's ``nnx.Rngs``.
 
 Shape legend: B batch, H = W image size, C channels (``width``).
 
@@ -48,15 +48,15 @@ class _BNReLUConv(nnx.Module):
 
 
 class _Down(nnx.Module):
-    """The non-invertible unit between stages: BatchNorm -> ReLU -> strided 3x3 convolution."""
+    """The non-invertible unit between stages: strided 3x3 convolution -> BatchNorm -> ReLU."""
 
     def __init__(self, cin: int, cout: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        self.bn = nnx.BatchNorm(cin, momentum=0.9, dtype=dtype, rngs=rngs)
         self.conv = nnx.Conv(cin, cout, (3, 3), strides=2, dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(cout, momentum=0.9, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        h = jax.nn.relu(self.bn(x, use_running_average=not train))
-        return rn.name(self.conv(h), names.CONV_OUT)  # (B, H / 2, W / 2, cout)
+        h = rn.name(self.conv(x), names.CONV_OUT)  # (B, H / 2, W / 2, cout)
+        return jax.nn.relu(self.bn(h, use_running_average=not train))
 
 
 class NNXRevNet(nnx.Module):

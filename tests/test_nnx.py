@@ -175,29 +175,34 @@ def test_bad_arguments_fail_at_wrap_time_naming_the_value(call, error, match):
 
 
 class Residual(nnx.Module):
-    """F or G: optional BatchNorm -> Linear (small init) -> tanh -> optional dropout."""
+    """F or G: optional BatchNorm -> Linear (small init) -> tanh -> optional dropout.
 
-    def __init__(self, d_in, d_out, rngs, *, norm=False, rate=0.0):
+    ``stream``: an ``nnx.Rngs`` the dropout draws from (F and G of a layer may share one, so
+    F's draws advance G's); None: the dropout's own stream (``nnx.Dropout`` forks one).
+    """
+
+    def __init__(self, d_in, d_out, rngs, *, norm=False, rate=0.0, stream=None):
         init = nnx.initializers.normal(0.3 / d_in**0.5)
         self.lin = nnx.Linear(d_in, d_out, kernel_init=init, rngs=rngs)
         self.bn = nnx.BatchNorm(d_in, rngs=rngs) if norm else None
         self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.stream = stream
 
     def __call__(self, x, *, train=True):
         if self.bn is not None:  # before the Linear: a BatchNorm after it zeroes the bias gradient
             x = self.bn(x, use_running_average=not train)
-        return self.drop(jnp.tanh(self.lin(x)), deterministic=not train)
+        return self.drop(jnp.tanh(self.lin(x)), deterministic=not train, rngs=self.stream)
 
 
-def _stack(cls, depth, width=8, **kw):
+def _stack(cls, depth, width=8, *, shared_stream=False, **kw):
     out = width if cls is rnnx.AdditiveCoupling else 2 * width
 
+    def layer(r):
+        kw_layer = {**kw, "stream": nnx.Rngs(dropout=r.default()) if shared_stream else None}
+        return cls(Residual(width, out, r, **kw_layer), Residual(width, out, r, **kw_layer))
+
     def build():
-        return rnnx.ReversibleSequence(
-            lambda r: cls(Residual(width, out, r, **kw), Residual(width, out, r, **kw)),
-            depth,
-            rngs=nnx.Rngs(0),
-        )
+        return rnnx.ReversibleSequence(layer, depth, rngs=nnx.Rngs(0))
 
     return nnx.jit(build)()  # one compiled init (eagerly, each initializer op compiles alone)
 
@@ -227,7 +232,8 @@ def test_reversible_gradient_and_batchnorm_equal_plain_autodiff_through_nnx_scan
 
 
 def test_dropout_masks_match_the_stored_stack_and_are_replayed_by_the_inverse():
-    stored = _stack(rnnx.AdditiveCoupling, 3, rate=0.5)
+    # F and G of a layer draw from one shared stream: F's draws advance the count G sees.
+    stored = _stack(rnnx.AdditiveCoupling, 3, rate=0.5, shared_stream=True)
     stored.reversible = False  # the same layers, keys and results, plain autodiff (core's scan)
     seq = nnx.clone(stored)
     seq.reversible = True
@@ -362,6 +368,33 @@ def test_memory_report_and_planner_on_an_nnx_model():
 
 
 # --- the NNX example config, trained by python -m train -------------------------------------------
+
+
+def test_example_model_takes_remat_plans_through_the_bridge():
+    import models
+
+    x = jax.ShapeDtypeStruct((8, 8, 8, 1), jnp.float32)
+    saved = {}
+    for remat in ("none", "full", "save_conv_out"):
+        model = models.build("nnx_revnet", width=4, depth=1, remat=remat)
+        init = functools.partial(model.init, train=False)
+        shapes = jax.eval_shape(init, jax.random.key(0), x)  # nothing compiled
+        variables = jax.tree.map(lambda a: jnp.asarray(np.zeros(a.shape, a.dtype)), shapes)
+
+        def loss(params, x, model=model, stats=variables["batch_stats"]):
+            variables = {"params": params, "batch_stats": stats}
+            out, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
+            return jnp.sum(out**2)
+
+        report = rn.memory_report(loss, variables["params"], jnp.asarray(np.ones(x.shape, x.dtype)))
+        named = {r.name: r.nbytes for r in report.residuals if r.name}
+        saved[remat] = (named, report.saved_bytes)
+    conv_out = 8 * 4 * 4 * 8 * 4  # (B, H / 2, W / 2, 2 * width) float32
+    assert saved["full"][0] == saved["none"][0] == {}
+    assert saved["save_conv_out"][0] == {"conv_out": conv_out}
+    assert saved["full"][1] < saved["save_conv_out"][1] < saved["none"][1]
+    with pytest.raises(ValueError, match=r"\['conv_outt'\], which nnx_revnet never produces"):
+        models.build("nnx_revnet", remat={"save": ["conv_outt"]})
 
 
 def test_nnx_example_config_trains_through_the_bridge(tmp_path):
