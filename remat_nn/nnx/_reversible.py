@@ -120,9 +120,9 @@ class ReversibleSequence(nnx.Module):
     (6, 4, 4)
     >>> x = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8)           # halves (2, 4) and (2, 4)
     >>> loss = lambda m: jnp.sum(m(x) ** 2)
-    >>> grads = nnx.grad(loss)(stack)                           # reconstructs, stores nothing
+    >>> grads = nnx.jit(nnx.grad(loss))(stack)                  # reconstructs, stores nothing
     >>> stack.reversible = False                                # same network, plain autodiff
-    >>> ref = nnx.grad(loss)(stack)
+    >>> ref = nnx.jit(nnx.grad(loss))(stack)
     >>> rn.relative_error(grads, ref) < 1e-5                    # max|a - b| / max|b| per leaf
     True
 
