@@ -14,12 +14,12 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
-	@# flax's own remat tests (tests/test_flax_upstream.py) run against nn.remat: take them from
-	@# the pinned flax sdist on PyPI, at set-up time.
+	@# flax's own remat tests (tests/test_flax_upstream.py) run against nn.remat and nnx.remat:
+	@# take them from the pinned flax sdist on PyPI, at set-up time.
 	mkdir -p $(VENV)/upstream
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: flax==$(FLAX) -d $(VENV)/upstream
 	tar -xzf $(VENV)/upstream/flax-$(FLAX).tar.gz -C $(VENV)/upstream \
-		flax-$(FLAX)/tests/linen/linen_transforms_test.py
+		flax-$(FLAX)/tests/linen/linen_transforms_test.py flax-$(FLAX)/tests/nnx/transforms_test.py
 	touch $(STAMP)
 
 setup: $(STAMP)
