@@ -471,18 +471,24 @@ def load_npz(cfg: Data) -> Dataset:
     return _classify(f"npz:{Path(cfg.path or '').name}", xtr, ytr, xte, yte)
 
 
-def _tokens(text: str, cfg: Data, name: str) -> Dataset:
-    # UTF-8 bytes as tokens (vocab 256): stable across files and Python versions. The last
-    # test_fraction of the text is held out.
-    data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    cut = int(len(data) * (1 - cfg.test_fraction))
-    train, test = data[:cut], data[cut:]
+def _token_splits(tokens: np.ndarray, cfg: Data, *, vocab_size: int, name: str) -> Dataset:
+    # The last test_fraction of the tokens is held out; it must hold one window.
+    cut = int(len(tokens) * (1 - cfg.test_fraction))
+    train, test = tokens[:cut], tokens[cut:]
     if (len(test) - 1) // cfg.seq_len < 1:
         raise SetupError(
-            f"data: {name} holds {len(data)} bytes; the test split is shorter than one window of "
-            f"data.seq_len={cfg.seq_len}. Fix: a longer text or a smaller seq_len."
+            f"data: {name} holds {len(tokens)} tokens; the test split is shorter than one window "
+            f"of data.seq_len={cfg.seq_len}. Fix: more tokens or a smaller seq_len."
         )
-    return Dataset("lm", train, None, test, None, vocab_size=256, seq_len=cfg.seq_len, name=name)
+    return Dataset(
+        "lm", train, None, test, None, vocab_size=vocab_size, seq_len=cfg.seq_len, name=name
+    )
+
+
+def _tokens(text: str, cfg: Data, name: str) -> Dataset:
+    # UTF-8 bytes as tokens (vocab 256): stable across files and Python versions.
+    data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return _token_splits(data, cfg, vocab_size=256, name=name)
 
 
 def load_text(cfg: Data) -> Dataset:
@@ -545,16 +551,7 @@ def load_tokens(cfg: Data) -> Dataset:
     if vocab is None:
         chunk = 1 << 24  # a streaming max: 16M tokens of memory at a time
         vocab = 1 + max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
-    cut = int(len(tokens) * (1 - cfg.test_fraction))
-    train, test = tokens[:cut], tokens[cut:]
-    if (len(test) - 1) // cfg.seq_len < 1:
-        raise SetupError(
-            f"data.path={str(path)!r} holds {len(tokens)} tokens; the test split is shorter than "
-            f"one window of data.seq_len={cfg.seq_len}. Fix: more tokens or a smaller seq_len."
-        )
-    return Dataset(
-        "lm", train, None, test, None, vocab_size=vocab, seq_len=cfg.seq_len, name=f"tokens:{path}"
-    )
+    return _token_splits(tokens, cfg, vocab_size=vocab, name=f"tokens:{path}")
 
 
 def normalize_per_channel(ds: Dataset) -> Dataset:

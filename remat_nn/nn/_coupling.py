@@ -81,6 +81,23 @@ def merge_halves(pair: Pair, was_array: bool) -> Any:
     return jnp.concatenate(pair, axis=-1) if was_array else tuple(pair)
 
 
+def couple(layer: Any, x: Any, kwargs: dict[str, Any]) -> Any:
+    """``forward`` of a coupling ``layer`` (linen or NNX: anything with ``apply_f``,
+    ``apply_g``, ``combine``): ``y1 = combine(x1, F(x2)); y2 = combine(x2, G(y1))``."""
+    (x1, x2), was_array = split_halves(x)
+    y1 = layer.combine(x1, layer.apply_f(x2, **kwargs))
+    y2 = layer.combine(x2, layer.apply_g(y1, **kwargs))
+    return merge_halves((y1, y2), was_array)
+
+
+def uncouple(layer: Any, y: Any, kwargs: dict[str, Any]) -> Any:
+    """``inverse`` of :func:`couple`: ``x2 = uncombine(y2, G(y1)); x1 = uncombine(y1, F(x2))``."""
+    (y1, y2), was_array = split_halves(y)
+    x2 = layer.uncombine(y2, layer.apply_g(y1, **kwargs))
+    x1 = layer.uncombine(y1, layer.apply_f(x2, **kwargs))
+    return merge_halves((x1, x2), was_array)
+
+
 class Coupling(fnn.Module):
     """Base of two-residual couplings ``y1 = combine(x1, F(x2)); y2 = combine(x2, G(y1))``.
 
@@ -111,17 +128,11 @@ class Coupling(fnn.Module):
     def forward(self, x: Any, **kwargs: Any) -> Any:
         """``(x1, x2) -> (y1, y2)``; a single array is split on, and returned merged on, its last
         axis."""
-        (x1, x2), was_array = split_halves(x)
-        y1 = self.combine(x1, self.apply_f(x2, **kwargs))
-        y2 = self.combine(x2, self.apply_g(y1, **kwargs))
-        return merge_halves((y1, y2), was_array)
+        return couple(self, x, kwargs)
 
     def inverse(self, y: Any, **kwargs: Any) -> Any:
         """``(y1, y2) -> (x1, x2)`` with ``inverse(forward(x)) == x`` up to round-off."""
-        (y1, y2), was_array = split_halves(y)
-        x2 = self.uncombine(y2, self.apply_g(y1, **kwargs))
-        x1 = self.uncombine(y1, self.apply_f(x2, **kwargs))
-        return merge_halves((x1, x2), was_array)
+        return uncouple(self, y, kwargs)
 
     def __call__(self, x: Any, **kwargs: Any) -> Any:
         """Same as :meth:`forward`."""

@@ -25,7 +25,7 @@ from remat_nn._reversible import (
     affine_uncombine,
 )
 from remat_nn.names import name
-from remat_nn.nn._coupling import merge_halves, split_halves
+from remat_nn.nn._coupling import couple, uncouple
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling"]
 
@@ -67,17 +67,11 @@ class Coupling(nnx.Module):
     def forward(self, x: Any, **kwargs: Any) -> Any:
         """``(x1, x2) -> (y1, y2)``; a single array is split on, and returned merged on, its last
         axis."""
-        (x1, x2), was_array = split_halves(x)
-        y1 = self.combine(x1, self.apply_f(x2, **kwargs))
-        y2 = self.combine(x2, self.apply_g(y1, **kwargs))
-        return merge_halves((y1, y2), was_array)
+        return couple(self, x, kwargs)
 
     def inverse(self, y: Any, **kwargs: Any) -> Any:
         """``(y1, y2) -> (x1, x2)`` with ``inverse(forward(x)) == x`` up to round-off."""
-        (y1, y2), was_array = split_halves(y)
-        x2 = self.uncombine(y2, self.apply_g(y1, **kwargs))
-        x1 = self.uncombine(y1, self.apply_f(x2, **kwargs))
-        return merge_halves((x1, x2), was_array)
+        return uncouple(self, y, kwargs)
 
     def __call__(self, x: Any, **kwargs: Any) -> Any:
         """Same as :meth:`forward`."""
