@@ -292,6 +292,11 @@ class CompiledMemory:
     ``peak_bytes`` is temp + argument + output - alias: XLA:CPU's own
     ``peak_memory_in_bytes`` is not a peak (README.md, "Measuring memory"; the tests check
     ``peak_bytes`` against the buffers live at once, counted by hand).
+
+    The ``host_*`` fields are XLA's counts of the same kinds in host memory (pinned host, where
+    an offloaded residual goes on a GPU / TPU backend); the other fields, and ``peak_bytes``,
+    count device memory only. XLA:CPU has one memory: its host fields are 0 and an offloaded
+    value stays in (and is counted as) device memory.
     """
 
     temp_size_in_bytes: int
@@ -299,6 +304,11 @@ class CompiledMemory:
     output_size_in_bytes: int
     alias_size_in_bytes: int
     generated_code_size_in_bytes: int = 0
+    host_temp_size_in_bytes: int = 0
+    host_argument_size_in_bytes: int = 0
+    host_output_size_in_bytes: int = 0
+    host_alias_size_in_bytes: int = 0
+    host_generated_code_size_in_bytes: int = 0
     flops: float = float("nan")
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -312,6 +322,16 @@ class CompiledMemory:
             - self.alias_size_in_bytes
         )
 
+    @property
+    def host_peak_bytes(self) -> int:
+        """``peak_bytes`` of host memory: host temp + argument + output - alias."""
+        return (
+            self.host_temp_size_in_bytes
+            + self.host_argument_size_in_bytes
+            + self.host_output_size_in_bytes
+            - self.host_alias_size_in_bytes
+        )
+
     def __str__(self) -> str:
         rows = [
             ("temp", self.temp_size_in_bytes),
@@ -320,6 +340,8 @@ class CompiledMemory:
             ("alias", self.alias_size_in_bytes),
             ("peak", self.peak_bytes),
         ]
+        if self.host_peak_bytes or self.host_temp_size_in_bytes:
+            rows.append(("host peak", self.host_peak_bytes))
         return "\n".join(f"{k:>9}: {format_bytes(v)}" for k, v in rows)
 
 
@@ -336,7 +358,8 @@ def compiled_memory(
 
     Returns:
       A :class:`CompiledMemory`, with XLA's FLOP count in ``flops`` (a ``lax.scan`` body counts
-      once: multiply by its length).
+      once: multiply by its length). Device and host memory are counted apart (``host_*``
+      fields); on a CPU backend there is one memory and the host fields are 0.
 
     >>> import jax, jax.numpy as jnp, remat_nn as rn
     >>> m = rn.compiled_memory(lambda x: x @ x, jnp.ones((64, 64)))
@@ -352,13 +375,23 @@ def compiled_memory(
         )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return _from_stats(m, float((cost or {}).get("flops", float("nan"))))
+
+
+def _from_stats(m: Any, flops: float) -> CompiledMemory:
+    # XLA's CompiledMemoryStats, field by field (device, then host).
     return CompiledMemory(
         temp_size_in_bytes=int(m.temp_size_in_bytes),
         argument_size_in_bytes=int(m.argument_size_in_bytes),
         output_size_in_bytes=int(m.output_size_in_bytes),
         alias_size_in_bytes=int(m.alias_size_in_bytes),
         generated_code_size_in_bytes=int(m.generated_code_size_in_bytes),
-        flops=float((cost or {}).get("flops", float("nan"))),
+        host_temp_size_in_bytes=int(getattr(m, "host_temp_size_in_bytes", 0)),
+        host_argument_size_in_bytes=int(getattr(m, "host_argument_size_in_bytes", 0)),
+        host_output_size_in_bytes=int(getattr(m, "host_output_size_in_bytes", 0)),
+        host_alias_size_in_bytes=int(getattr(m, "host_alias_size_in_bytes", 0)),
+        host_generated_code_size_in_bytes=int(getattr(m, "host_generated_code_size_in_bytes", 0)),
+        flops=flops,
         extra={"peak_memory_in_bytes": int(getattr(m, "peak_memory_in_bytes", 0))},
     )
 

@@ -93,3 +93,37 @@ def test_demo_entry_point_runs(capsys, monkeypatch):
     demo.main()
     out = capsys.readouterr().out
     assert "| nothing_saveable |" in out and "reproduce: python -m remat_nn" in out
+
+
+def test_compiled_memory_reports_host_fields_apart_from_device(stack):
+    # XLA counts host memory (where an offloaded residual goes on GPU / TPU) in its own fields.
+    # XLA:CPU has one memory: an offloaded residual stays in device memory, the host fields are 0.
+    grad = jax.grad(lambda p, x: _demo.loss(p, x, policy="offload=mlp_hidden"))
+    raw = jax.jit(grad).lower(*stack).compile().memory_analysis()
+    assert raw is not None
+    m = rn.compiled_memory(grad, *stack)
+    for kind in ("temp", "argument", "output", "alias", "generated_code"):
+        assert getattr(m, f"host_{kind}_size_in_bytes") == getattr(
+            raw, f"host_{kind}_size_in_bytes"
+        )
+    assert m.temp_size_in_bytes == raw.temp_size_in_bytes
+    saved_grad = jax.grad(lambda p, x: _demo.loss(p, x, policy="save=mlp_hidden"))
+    saved = rn.compiled_memory(saved_grad, *stack)
+    assert jax.default_backend() == "cpu" and m.host_peak_bytes == 0
+    assert m.temp_size_in_bytes == saved.temp_size_in_bytes  # stays on the one memory
+
+
+def test_host_fields_are_read_field_by_field():
+    # What an accelerator backend reports (CPU's are all 0): every field lands in its own place.
+    from types import SimpleNamespace
+
+    from remat_nn._memory import _from_stats
+
+    kinds = ("temp", "argument", "output", "alias", "generated_code")
+    values = {f"{k}_size_in_bytes": 10 + i for i, k in enumerate(kinds)}
+    values |= {f"host_{k}_size_in_bytes": 100 * (i + 1) for i, k in enumerate(kinds)}
+    m = _from_stats(SimpleNamespace(**values), flops=1.0)
+    assert {k: getattr(m, k) for k in values} == values
+    assert m.peak_bytes == 10 + 11 + 12 - 13
+    assert m.host_peak_bytes == 100 + 200 + 300 - 400
+    assert "host peak" in str(m)
