@@ -14,13 +14,22 @@ The cost model comes from the function itself, measured by compiling it:
     saved, minus with every name saved; from the jaxpr) at ``flops_per_second``; saving it costs
     writing and reading its bytes at ``memory_bandwidth``; offloading costs ``2 * bytes /
     host_bandwidth``.
+The budget bounds device bytes (XLA's ``temp_size_in_bytes``); XLA counts an offloaded value's
+host bytes apart (``host_temp_size_in_bytes``, in ``PlanReport.compiled_host_temp_bytes``). A CPU
+backend has one memory: no host bytes, and offload is left out.
 For each candidate largest reduction the rest is a knapsack over names (device bytes against
-time), solved exactly by a Pareto sweep for small problems and greedily beyond. Candidates are
-compiled, fastest first, until one fits the budget (the capacity is tightened by each overshoot);
-every compiled plan that fits stays a candidate. With concrete arguments, the fastest-modeled
-few are then raced (shuffled rounds, clearly slower ones dropping out) and the fastest measured
-wins: on XLA:CPU, saving cheap-to-recompute activations can cost more time than recomputing them,
-which no FLOP count shows, and the candidates differ by less than one step's timing noise.
+time), solved exactly by a Pareto sweep for small problems and greedily beyond: its Pareto front
+is the set of candidates. Saving names together interacts in ways no single-name compile shows,
+so the additive prediction is corrected by its error at the nearest compiled plan (fewest bytes
+of names acting differently, then most kept names shared): a compiled plan measures the
+interactions of its names. The fastest candidate whose corrected prediction fits is compiled,
+again until one fits, and the next fastest predicted to fit are compiled too; each compile
+records the prediction made before it (``Tried.predicted_bytes``, ``PlanReport.
+prediction_error``). Every compiled plan that fits stays a candidate. With concrete arguments,
+the fastest-modeled few are then raced (shuffled rounds, clearly slower ones dropping out) and
+the fastest measured wins: on XLA:CPU, saving cheap-to-recompute activations can cost more time
+than recomputing them, which no FLOP count shows, and the candidates differ by less than one
+step's timing noise.
 
 References:
   Chen et al. 2016, Training Deep Nets with Sublinear Memory Cost.
@@ -35,7 +44,7 @@ import operator
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,6 +246,35 @@ def _predict(costs: Sequence[NameCost], the_plan: Plan) -> int:
     return saved - max((max(c.reduction, 0) for c, a in actions if a != "recompute"), default=0)
 
 
+def _corrected(
+    costs: Sequence[NameCost], floor: int, measured: dict[Plan, int], the_plan: Plan
+) -> int:
+    """Temp bytes predicted for ``the_plan``: the additive model (:func:`_predict`) plus its
+    error at the nearest compiled plan.
+
+    Kept names interact in ways the single-name compiles cannot show: on the benchmark
+    transformer, saving ``out_proj`` alone lowers the temp by 24 MiB more than its stack, but
+    saving it with ``context`` and the q / k / v projections lowers it by nothing (140.20 MiB
+    compiled, 116.17 MiB by the additive model). A compiled plan measures the interaction among
+    its names, and a plan that differs from it in a few small names mostly shares it; so the
+    model's error at the compiled plan nearest to ``the_plan`` (least bytes of the names whose
+    action differs; among as near ones, the one keeping the most of its kept names: they carry
+    the interactions) is added to the additive estimate. The calibration compiles have no error.
+    """
+    estimate = floor + _predict(costs, the_plan)
+    kept = {c.name for c in costs if the_plan.action(c.name) != "recompute"}
+
+    def distance(other: Plan) -> tuple[int, int, int]:
+        differ = [c for c in costs if other.action(c.name) != the_plan.action(c.name)]
+        shared = sum(other.action(n) != "recompute" for n in kept)
+        return sum(c.nbytes for c in differ), -shared, len(differ)
+
+    if not measured:
+        return estimate
+    nearest = min(measured, key=distance)
+    return estimate + measured[nearest] - (floor + _predict(costs, nearest))
+
+
 def solve(
     costs: Sequence[NameCost], capacity: int, *, max_states: int = 20_000
 ) -> tuple[Candidate | None, list[Candidate], bool]:
@@ -305,13 +343,24 @@ def _measured_rates() -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Tried:
-    """A plan the planner compiled: its temp bytes, modeled seconds and, if timed, its measured
-    time relative to the chosen plan's (median over the rounds both ran, paired per round)."""
+    """A plan the planner compiled: its temp bytes, modeled seconds, the memory model's
+    prediction of its temp bytes made before it was compiled (None for a calibration compile,
+    which the model is built from), and, if timed, its measured time relative to the chosen
+    plan's (median over the rounds both ran, paired per round)."""
 
     plan: Plan
     temp_bytes: int
     model_seconds: float
     measured_ratio: float | None = None
+    predicted_bytes: int | None = None
+    variant: str | None = None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """``|predicted - compiled| / compiled``, or None for a calibration compile."""
+        if self.predicted_bytes is None:
+            return None
+        return abs(self.predicted_bytes - self.temp_bytes) / max(self.temp_bytes, 1)
 
 
 @dataclass(frozen=True)
@@ -332,6 +381,10 @@ class PlanReport:
       tried: every plan compiled, in order (the chosen one among them).
       measured: the fastest fitting plans were timed and the fastest measured was chosen.
       notes: what the planner left out and why (e.g. offload on a CPU backend).
+      compiled_host_temp_bytes: XLA's host temp bytes for ``plan`` (offloaded values on a GPU /
+        TPU backend; 0 on CPU, which has one memory), not counted against the budget.
+      variant: the label of the variant chosen (``plan_for_budget(variants=...)``), with
+        ``plan`` as its policy; None when ``fn`` itself is.
     """
 
     plan: Plan
@@ -347,18 +400,27 @@ class PlanReport:
     tried: tuple[Tried, ...]
     measured: bool
     notes: tuple[str, ...] = ()
+    compiled_host_temp_bytes: int = 0
+    variant: str | None = None
+
+    @property
+    def prediction_error(self) -> float:
+        """The largest error of the memory model over the plans it predicted before compiling
+        (0 when every compile was a calibration)."""
+        return max((t.prediction_error or 0.0 for t in self.tried), default=0.0)
 
     def __str__(self) -> str:
         how = "fastest measured of the fitting plans" if self.measured else "fastest modeled"
         lines = [
-            f"plan: {self.plan}",
+            f"plan: {self.plan}" + ("" if self.variant is None else f" (variant {self.variant})"),
             f"budget {format_bytes(self.budget_bytes)}: compiled temp "
             f"{format_bytes(self.compiled_temp_bytes)} (predicted "
             f"{format_bytes(self.predicted_temp_bytes)}); every name recomputed "
             f"{format_bytes(self.floor_temp_bytes)}, least compiled "
             f"{format_bytes(self.min_temp_bytes)}, no remat "
             f"{format_bytes(self.no_remat_temp_bytes)}; {'exact' if self.exact else 'greedy'} "
-            f"solve, {len(self.tried)} plans compiled, chosen: {how}",
+            f"solve, {len(self.tried)} plans compiled, chosen: {how}; memory model error at most "
+            f"{self.prediction_error:.1%} over the plans it predicted before compiling",
             *self.notes,
             "",
             "| name | count | bytes | temp if only it is saved | recompute FLOPs | action |",
@@ -370,13 +432,24 @@ class PlanReport:
                 f"| {c.name} | {c.count} | {format_bytes(c.nbytes)} | {format_bytes(alone)} | "
                 f"{c.recompute_flops:.3g} | {self.plan.action(c.name)} |"
             )
-        lines += ["", "plans compiled (temp, modeled s, measured time / chosen plan's):"]
+        lines += [
+            "",
+            "plans compiled (temp, predicted before compiling or 'calibration', modeled s, "
+            "measured time / chosen plan's):",
+        ]
         for t in self.tried:
             mark = "*" if t.plan == self.plan else " "
             secs = "" if t.measured_ratio is None else f"  {t.measured_ratio:.3f}x"
+            pred = (
+                "calibration"
+                if t.predicted_bytes is None
+                else f"{format_bytes(t.predicted_bytes)} ({t.prediction_error:.1%})"
+            )
+            form = "" if t.variant is None else f"variant {t.variant}: "
+            mark = "*" if t.plan == self.plan and t.variant == self.variant else " "
             lines.append(
-                f" {mark}{format_bytes(t.temp_bytes):>12}  {t.model_seconds:.3g} s"
-                f"{secs}  {_short(t.plan)}"
+                f" {mark}{format_bytes(t.temp_bytes):>12}  {pred:>22}  {t.model_seconds:.3g} s"
+                f"{secs}  {form}{_short(t.plan)}"
             )
         lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
         lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
@@ -399,7 +472,12 @@ def _compile(fn: Callable[..., Any], args: Sequence[Any], policy: Any) -> Any:
 
 
 def _temp(compiled: Any) -> int:
+    # Device bytes: what the budget bounds (an offloaded value's host bytes are counted apart).
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _host_temp(compiled: Any) -> int:
+    return int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0))
 
 
 def _is_concrete(args: Sequence[Any]) -> bool:
@@ -458,6 +536,39 @@ def _time(
     return {k: ratio(k, lead) if times[k] else 1.0 for k in executables}, ran
 
 
+def _variants(
+    variants: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]],
+    the_plan: Plan,
+    budget_bytes: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    flops_rate: float,
+    plan_seconds: float,
+    say: Callable[[str], None],
+) -> tuple[tuple[str, Plan] | None, list[Tried]]:
+    """Compiles each variant under ``the_plan``; the fastest modeled one that fits, and all.
+
+    A variant's modeled time is the plan's, plus its extra gradient FLOPs over ``fn``'s (the
+    forward passes nesting repeats, a reversible backward's reconstruction) at ``flops_rate``.
+    """
+    base = _grad_flops(fn, args, the_plan)
+    tried = []
+    for label, (variant_fn, variant_args) in variants.items():
+        t0 = time.perf_counter()
+        temp = _temp(_compile(variant_fn, variant_args, the_plan))
+        extra = max(0, _grad_flops(variant_fn, variant_args, the_plan) - base)
+        tried.append(Tried(the_plan, temp, plan_seconds + extra / flops_rate, variant=label))
+        say(
+            f"  compiled variant {label} with {_short(the_plan)}: temp {format_bytes(temp)} "
+            f"({time.perf_counter() - t0:.1f} s)"
+        )
+    fitting = [t for t in tried if t.temp_bytes <= budget_bytes]
+    if not fitting:
+        return None, tried
+    best = min(fitting, key=lambda t: (t.model_seconds, t.temp_bytes))
+    return (str(best.variant), the_plan), tried
+
+
 _INVERT = (
     "plan_for_budget: 'invert' is not a per-name choice the planner can make for a fixed model: "
     "reconstructing a value from a block's output needs the block itself to be invertible "
@@ -480,6 +591,7 @@ def plan_for_budget(
     rounds: int = 15,
     max_attempts: int = 6,
     log: Callable[[str], None] | None = None,
+    variants: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]] | None = None,
 ) -> PlanReport:
     """Finds the fastest plan whose compiled temp memory fits ``budget``.
 
@@ -490,8 +602,9 @@ def plan_for_budget(
         activations are tagged with ``rn.name``.
       *args: the arguments of ``fn``; the gradient is taken with respect to the first. Arrays,
         or ``jax.ShapeDtypeStruct`` to plan without running anything.
-      budget: bound on XLA's temp bytes of ``jax.grad(fn)``: ``"2GiB"``, bytes, or a fraction
-        of the no-remat temp memory (``0.5``).
+      budget: bound on XLA's (device) temp bytes of ``jax.grad(fn)``: ``"2GiB"``, bytes, or a
+        fraction of the no-remat temp memory (``0.5``). Host bytes of offloaded values are
+        counted apart, not against it.
       allow: actions the planner may use among ``save``, ``offload``, ``recompute``. On a CPU
         backend offload is left out: there is one memory, so an offloaded value stays put.
       host_bandwidth: bytes per second to host and back, for offload (CPU cannot measure it).
@@ -504,11 +617,20 @@ def plan_for_budget(
       shortlist: how many plans to time, and how many fitting plans to compile from the front.
       rounds: most timing rounds; each runs every candidate still in the race once, and
         candidates clearly slower than the leader drop out from the fifth round on.
-      max_attempts: solves with a tightened capacity before settling for the compiled plans.
+      max_attempts: candidates compiled until one fits, before settling for the compiled plans
+        (each compile corrects the memory model's predictions of the next).
       log: called with a line per compile / timing (progress), e.g. ``print``.
+      variants: other forms of the same model to fall back on when no plan of ``fn`` fits:
+        label -> ``(variant_fn, variant_args)``, called as ``fn`` is (``policy=`` a plan):
+        e.g. a nested :func:`remat_nn.remat_scan` (``levels``, ``carry_policy``), a split of
+        the layers, or the reversible form with its own parameters. They cost extra passes
+        (a forward per nesting level, reconstruction), so each is compiled once, under the
+        least-memory plan of ``fn`` compiled, only when no plan of ``fn`` fits; the fastest
+        that fits (by grad FLOPs at ``flops_per_second``) is chosen.
 
     Returns:
-      A :class:`PlanReport`; ``report.plan`` is the plan.
+      A :class:`PlanReport`; ``report.plan`` is the plan, ``report.variant`` the variant's
+      label when one was chosen (None: ``fn`` itself).
 
     Raises:
       PlanError: no named activation in ``fn``, an unknown action (or ``invert``), or a budget
@@ -572,7 +694,7 @@ def plan_for_budget(
     alone = {n: compile_plan(plan_of({n: "save"})) if n in by_name else floor for n in found}
     least_plan = min(compiled, key=lambda p: _temp(compiled[p]))
     least = _temp(compiled[least_plan])
-    if budget_bytes < least and "recompute" in allow:
+    if budget_bytes < least and "recompute" in allow and not variants:
         raise PlanError(
             f"plan_for_budget: budget {format_bytes(budget_bytes)} is below the least temp "
             f"memory of any plan compiled, {format_bytes(least)} ({least} B, "
@@ -623,25 +745,35 @@ def plan_for_budget(
     def allowed(the_plan: Plan) -> bool:
         return all(the_plan.action(n) in allow for n in found)
 
-    # --- solve, compile the fastest candidate until one fits, tighten on overshoot ---
-    capacity = budget_bytes - floor
-    best, front, exact = solve(costs, capacity)
+    # --- solve, then compile the fastest candidate the corrected model fits, until one fits ---
+    # The knapsack proposes (its Pareto front over the additive model); the model corrected by
+    # the compiles so far (_corrected) decides what to compile, and learns from each compile.
+    predicted: dict[Plan, int] = {}  # the prediction made before compiling, per searched plan
+
+    def corrected(the_plan: Plan) -> int:
+        measured = {p: _temp(ex) for p, ex in compiled.items()}
+        return _corrected(costs, floor, measured, the_plan)
+
+    def search(the_plan: Plan) -> int:
+        predicted[the_plan] = corrected(the_plan)
+        return compile_plan(the_plan)
+
+    _, front, exact = solve(costs, budget_bytes - floor)
+    by_time = [plan_of(dict(p.actions)) for p in sorted(front, key=lambda p: p.seconds)]
+
+    def next_fitting() -> Plan | None:
+        return next(
+            (p for p in by_time if p not in compiled and corrected(p) <= budget_bytes), None
+        )
+
     for _ in range(max_attempts):
-        if best is None:
+        if (the_plan := next_fitting()) is None or search(the_plan) <= budget_bytes:
             break
-        overshoot = compile_plan(plan_of(dict(best.actions))) - budget_bytes
-        if overshoot <= 0:
-            break
-        capacity = min(best.nbytes - 1, capacity - overshoot - 1)
-        best, _, _ = solve(costs, capacity)
     # The next fastest candidates predicted to fit, so that the choice is not the model's alone.
-    ahead = [
-        plan_of(dict(p.actions))
-        for p in sorted(front, key=lambda p: p.seconds)
-        if p.nbytes <= budget_bytes - floor
-    ]
-    for the_plan in [p for p in ahead if p not in compiled][: max(shortlist - 1, 0)]:
-        compile_plan(the_plan)
+    for _ in range(max(shortlist - 1, 0)):
+        if (the_plan := next_fitting()) is None:
+            break
+        search(the_plan)
 
     # --- choose among the compiled plans that fit ---
     if not any(allowed(p) for p in compiled):  # e.g. recompute not allowed and nothing solved
@@ -650,6 +782,45 @@ def plan_for_budget(
         (p for p in compiled if allowed(p) and _temp(compiled[p]) <= budget_bytes),
         key=lambda p: (seconds(p), _temp(compiled[p])),
     )
+    chosen_variant: tuple[str, Plan] | None = None
+    variant_tried: list[Tried] = []
+    if not fits and variants:
+        chosen_variant, variant_tried = _variants(
+            variants, least_plan, budget_bytes, fn, args, flops_rate, seconds(least_plan), say
+        )
+        if chosen_variant is None:
+            least = min([least] + [t.temp_bytes for t in variant_tried])
+            raise PlanError(
+                f"plan_for_budget: budget {format_bytes(budget_bytes)} is below the least temp "
+                f"memory of any plan compiled, {format_bytes(least)} ({least} B), variants "
+                f"{', '.join(variants)} included. Fix: raise the budget to at least {least} B, "
+                "or reduce the batch."
+            )
+    if chosen_variant is not None:
+        label, the_plan = chosen_variant
+        chosen_tried = next(t for t in variant_tried if t.variant == label)
+        tried = tuple(
+            Tried(p, _temp(ex), seconds(p), None, predicted.get(p)) for p, ex in compiled.items()
+        ) + tuple(variant_tried)
+        return PlanReport(
+            plan=the_plan,
+            costs=tuple(costs),
+            budget_bytes=budget_bytes,
+            predicted_temp_bytes=chosen_tried.temp_bytes,
+            compiled_temp_bytes=chosen_tried.temp_bytes,
+            no_remat_temp_bytes=no_remat,
+            min_temp_bytes=min(least, *(t.temp_bytes for t in variant_tried)),
+            floor_temp_bytes=floor,
+            front=tuple(front),
+            exact=exact,
+            tried=tried,
+            measured=False,
+            notes=(
+                *notes,
+                f"no plan of fn fits: variant {label!r} chosen (fastest modeled that fits).",
+            ),
+            variant=label,
+        )
     if not fits:
         least = min(_temp(ex) for p, ex in compiled.items() if allowed(p))
         raise PlanError(
@@ -669,14 +840,17 @@ def plan_for_budget(
             + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits)
         )
     chosen = fits[0]
-    predicted = floor + _predict(costs, chosen)
-    tried = tuple(Tried(p, _temp(ex), seconds(p), timed.get(p)) for p, ex in compiled.items())
+    tried = tuple(
+        Tried(p, _temp(ex), seconds(p), timed.get(p), predicted.get(p))
+        for p, ex in compiled.items()
+    )
     return PlanReport(
         plan=chosen,
         costs=tuple(costs),
         budget_bytes=budget_bytes,
-        predicted_temp_bytes=predicted,
+        predicted_temp_bytes=predicted.get(chosen, floor + _predict(costs, chosen)),
         compiled_temp_bytes=_temp(compiled[chosen]),
+        compiled_host_temp_bytes=_host_temp(compiled[chosen]),
         no_remat_temp_bytes=no_remat,
         min_temp_bytes=least,
         floor_temp_bytes=floor,
