@@ -27,7 +27,7 @@ class _Block(fnn.Module):
     width: int
 
     @fnn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, _=None):
         # x (B, D) -> (B, D), through a wide hidden layer: recomputing it saves memory.
         h = rn.name(fnn.Dense(self.width)(x), rn.names.MLP_HIDDEN)  # (B, F)
         h = rn.name(jnp.tanh(h), rn.names.MLP_OUT)  # (B, F)
@@ -44,10 +44,17 @@ class NamedMLP(fnn.Module):
     width: int = 256
     depth: int = 4
     remat: Any = None  # a remat_nn.Plan, "none" (no remat), or None (everything recomputed)
+    levels: int = 1  # > 1: the blocks as a nested checkpointed scan (same parameters)
 
     @fnn.compact
     def __call__(self, x, train: bool = False):
         # x (B, H, W, C) -> logits (B, K)
+        h = x.reshape(x.shape[0], -1)  # (B, D)
+        if self.levels > 1:
+            plan = self.remat if isinstance(self.remat, rn.Plan) else rn.Plan()
+            nested = rnn.remat_scan(_Block, length=self.depth, levels=self.levels, policy=plan)
+            h, _ = nested(self.width, name="blocks")(h)
+            return fnn.Dense(self.num_classes)(h)
         block = _Block
         if self.remat != "none":
             plan = self.remat or rn.plan({"default": "recompute"})
@@ -65,6 +72,7 @@ class NamedOptions(pydantic.BaseModel):
     width: int = 256
     depth: int = 4
     remat: str | pydantic.InstanceOf[rn.Plan] | None = None
+    levels: int = 1
 
 
 @pytest.fixture
@@ -122,6 +130,55 @@ def test_auto_plan_is_saved_and_reused_on_resume(tmp_path, named_mlp):
     assert second.step == 4 and second.resumed_from == 2
     assert any(f"from {plan_file}" in line for line in lines)
     assert rn.plan(plan_file) == saved
+
+
+def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
+    # A budget no plan of the configured model meets, met by its nested scan (`levels: 3`
+    # lengths (3, 3): 6 block inputs held, not 9, and no per-layer stack of a saved name). The
+    # choice, variant options included, is saved and read back; a plan file from before variants
+    # (a bare plan mapping) still reads.
+
+    import jax
+
+    from train import autoplan, state
+
+    def build(policy, options=None):
+        return NamedMLP(depth=9, width=64, **{"remat": policy, **(options or {})})
+
+    x = jnp.zeros((32, 8, 8, 1))
+    init = state.make_init(build(None), __import__("optax").sgd(0.1), x, seed=0)
+    abstract = jax.eval_shape(init)
+    batch = {
+        "x": jax.ShapeDtypeStruct(x.shape, x.dtype),
+        "y": jax.ShapeDtypeStruct((32,), jnp.int32),
+    }
+    kw = dict(
+        build=build,
+        abstract_state=abstract,
+        batch=batch,
+        compute_dtype=jnp.float32,
+        has_batch_stats=False,
+        say=lambda line: None,
+    )
+    loss = state.make_loss_fn(
+        build(rn.Plan(), {"levels": 2}), compute_dtype=jnp.float32, has_batch_stats=False
+    )
+    args = (abstract.params, abstract.batch_stats, batch, jax.random.key(0))
+    budget = rn.compiled_memory(jax.grad(lambda *a: loss(*a)[0]), *args).temp_size_in_bytes
+    request = {"policy": "auto", "budget": budget, "variants": {"nested": {"levels": 2}}}
+    choice = autoplan.load_or_plan(request, run_dir=tmp_path, **kw)
+    assert choice.variant == "nested" and dict(choice.model_options) == {"levels": 2}
+    assert autoplan.read_choice(tmp_path / autoplan.PLAN_FILE) == choice
+    again = autoplan.load_or_plan(request, run_dir=tmp_path, **kw)  # read back, not planned
+    assert again == choice
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / autoplan.PLAN_FILE).write_text("save: [mlp_hidden]\n")
+    read = autoplan.read_choice(old / autoplan.PLAN_FILE)
+    assert read == autoplan.AutoChoice(rn.plan({"save": ["mlp_hidden"]}), {})
+    bad = {"policy": "auto", "budget": budget, "variants": {"wide": {"width": 128}}}
+    with pytest.raises(ValueError, match=r"remat\.variants\.wide: .*Fix: drop the variant"):
+        autoplan.load_or_plan(bad, run_dir=tmp_path / "bad", **kw)
 
 
 def test_host_offload_on_cpu_warns_once_and_runs(tmp_path):

@@ -32,7 +32,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,7 +323,13 @@ def build_experiment(
     # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
     # (the model's default plan).
     plan = remat_lib.resolve(cfg)
-    build = lambda p: _build_model(spec, remat_lib.model_options_with_plan(options, p))
+
+    def build(p: Any, overrides: Mapping[str, Any] | None = None) -> Any:
+        # The model under plan p; overrides: a planner variant's model options.
+        return _build_model(
+            spec, remat_lib.model_options_with_plan({**options, **(overrides or {})}, p)
+        )
+
     model = build(plan)
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
@@ -356,7 +362,7 @@ def build_experiment(
         plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
         if restart and is_main and not dry_run:
             plan_file.unlink(missing_ok=True)
-        plan = autoplan.load_or_plan(
+        choice = autoplan.load_or_plan(
             plan,
             run_dir=plan_file.parent,
             build=build,
@@ -370,8 +376,10 @@ def build_experiment(
             say=say,
             write=is_main and not dry_run,
         )
-        # Same parameters, the chosen plan.
-        model = build(plan)
+        # Same parameters, the chosen plan (and the chosen variant's options, if any).
+        plan = choice.plan
+        model = build(plan, choice.model_options)
+        options = {**options, **choice.model_options}
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
