@@ -31,6 +31,12 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3")
 
+# --doctest-modules imports every module under testpaths to look for doctests. This plugin
+# patches flax's remat (for flax's own tests, run in a subprocess by tests/test_flax_upstream.py):
+# imported here, it would make every comparison with flax.linen.remat / flax.nnx.remat in this
+# process compare remat_nn with itself.
+collect_ignore = ["tests/flax_upstream_plugin.py"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_in_tmp(tmp_path_factory):
