@@ -672,16 +672,18 @@ def plan_for_budget(
         return Plan(save=names("save"), offload=names("offload"), recompute=names("recompute"))
 
     compiled: dict[Plan, Any] = {}
+    temps: dict[Plan, int] = {}  # each compiled plan's temp bytes, read once
 
     def compile_plan(the_plan: Plan) -> int:
         if the_plan not in compiled:
             t0 = time.perf_counter()
             compiled[the_plan] = _compile(fn, args, the_plan)
+            temps[the_plan] = _temp(compiled[the_plan])
             say(
-                f"  compiled {_short(the_plan)}: temp {format_bytes(_temp(compiled[the_plan]))} "
+                f"  compiled {_short(the_plan)}: temp {format_bytes(temps[the_plan])} "
                 f"({time.perf_counter() - t0:.1f} s)"
             )
-        return _temp(compiled[the_plan])
+        return temps[the_plan]
 
     # --- calibration: no remat, every name recomputed, each name saved alone ---
     say(f"planning {len(found)} names: {', '.join(found)}")
@@ -692,8 +694,8 @@ def plan_for_budget(
     by_name = memory_report(functools.partial(fn, policy=save_all), *args).by_name()
     # A name that is no residual even when every name is saved changes nothing: no compile.
     alone = {n: compile_plan(plan_of({n: "save"})) if n in by_name else floor for n in found}
-    least_plan = min(compiled, key=lambda p: _temp(compiled[p]))
-    least = _temp(compiled[least_plan])
+    least_plan = min(temps, key=temps.__getitem__)
+    least = temps[least_plan]
     if budget_bytes < least and "recompute" in allow and not variants:
         raise PlanError(
             f"plan_for_budget: budget {format_bytes(budget_bytes)} is below the least temp "
@@ -751,8 +753,7 @@ def plan_for_budget(
     predicted: dict[Plan, int] = {}  # the prediction made before compiling, per searched plan
 
     def corrected(the_plan: Plan) -> int:
-        measured = {p: _temp(ex) for p, ex in compiled.items()}
-        return _corrected(costs, floor, measured, the_plan)
+        return _corrected(costs, floor, temps, the_plan)
 
     def search(the_plan: Plan) -> int:
         predicted[the_plan] = corrected(the_plan)
@@ -779,8 +780,8 @@ def plan_for_budget(
     if not any(allowed(p) for p in compiled):  # e.g. recompute not allowed and nothing solved
         compile_plan(save_all)
     fits = sorted(
-        (p for p in compiled if allowed(p) and _temp(compiled[p]) <= budget_bytes),
-        key=lambda p: (seconds(p), _temp(compiled[p])),
+        (p for p in compiled if allowed(p) and temps[p] <= budget_bytes),
+        key=lambda p: (seconds(p), temps[p]),
     )
     chosen_variant: tuple[str, Plan] | None = None
     variant_tried: list[Tried] = []
@@ -800,7 +801,7 @@ def plan_for_budget(
         label, the_plan = chosen_variant
         chosen_tried = next(t for t in variant_tried if t.variant == label)
         tried = tuple(
-            Tried(p, _temp(ex), seconds(p), None, predicted.get(p)) for p, ex in compiled.items()
+            Tried(p, temps[p], seconds(p), None, predicted.get(p)) for p in compiled
         ) + tuple(variant_tried)
         return PlanReport(
             plan=the_plan,
@@ -822,7 +823,7 @@ def plan_for_budget(
             variant=label,
         )
     if not fits:
-        least = min(_temp(ex) for p, ex in compiled.items() if allowed(p))
+        least = min(temps[p] for p in compiled if allowed(p))
         raise PlanError(
             f"plan_for_budget: no plan with actions {tuple(allow)} fits "
             f"{format_bytes(budget_bytes)}; the least compiled is {format_bytes(least)} "
@@ -840,16 +841,13 @@ def plan_for_budget(
             + ", ".join(f"{_short(p)} {timed[p]:.3f}x" for p in fits)
         )
     chosen = fits[0]
-    tried = tuple(
-        Tried(p, _temp(ex), seconds(p), timed.get(p), predicted.get(p))
-        for p, ex in compiled.items()
-    )
+    tried = tuple(Tried(p, temps[p], seconds(p), timed.get(p), predicted.get(p)) for p in compiled)
     return PlanReport(
         plan=chosen,
         costs=tuple(costs),
         budget_bytes=budget_bytes,
         predicted_temp_bytes=predicted.get(chosen, floor + _predict(costs, chosen)),
-        compiled_temp_bytes=_temp(compiled[chosen]),
+        compiled_temp_bytes=temps[chosen],
         compiled_host_temp_bytes=_host_temp(compiled[chosen]),
         no_remat_temp_bytes=no_remat,
         min_temp_bytes=least,
