@@ -72,6 +72,13 @@ class ModelSpec:
         names or a ``Plan`` (or a plan mapping; :func:`remat_option` reads it for the CNN models,
         the transformer adds ``custom``); the trainer hands the config's ``remat:`` to every
         model through that option.
+      variants: ``variants(options) -> {label: option overrides}``: the other forms of the
+        model that ``remat: {policy: auto, budget: ...}`` may choose when no per-name plan of
+        the model as configured fits the budget (a nested scan, the reversible form, ...), only
+        those valid with ``options`` (the model's options as configured, unvalidated: defaults
+        are the schema's). A form may change the parameters: each is planned on its own state.
+        An override that sets ``remat`` fixes the form's plan (the planner's plan does not
+        apply to it, e.g. reversible blocks keep nothing per layer). None: no other forms.
     """
 
     build: Callable[..., fnn.Module]
@@ -79,6 +86,7 @@ class ModelSpec:
     task: Literal["classify", "lm"]
     doc: str = ""
     remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
 
 
 REGISTRY: dict[str, ModelSpec] = {}
@@ -307,6 +315,19 @@ def check_scan_levels(levels: Any, where: str) -> None:
             f"{where}scan_levels must be an int >= 1 (1: one checkpointed scan; 2: sqrt(depth) "
             f"nesting) or None, got {type(levels).__name__} {levels!r}. Fix: scan_levels=2."
         )
+
+
+def nesting_holds_fewer(n: int, levels: int = 2) -> bool:
+    """Whether a nested scan of ``n`` steps at ``levels`` holds fewer step inputs than one scan
+    (``sum`` of :func:`remat_nn.remat_scan_lengths` below ``n``): where a model's nested form
+    can beat its plain scan on memory, so it is worth offering to the budget planner.
+
+    >>> nesting_holds_fewer(4), nesting_holds_fewer(17)
+    (False, True)
+    """
+    import remat_nn as rn
+
+    return sum(rn.remat_scan_lengths(n, levels)) < n
 
 
 def _load_builtin() -> None:

@@ -43,6 +43,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -744,6 +745,27 @@ def build_revnet(
     )
 
 
+def resnet_variants(
+    options: Mapping[str, Any], schema: type[ResNetOptions] = ResNetOptions
+) -> dict[str, dict[str, Any]]:
+    """The ResNets' other forms for the budget planner: ``nested`` (``scan_units: true,
+    scan_levels: 2``: each stage's identical units as a nested checkpointed scan), when some
+    stage has enough of them for nesting to hold fewer unit inputs than one scan (ResNet-110 and
+    -164: 17 scanned units per stage; not ResNet-32: 4) and the model is not nested already.
+    With ``scan_units`` off it changes the parameters' layout (stacked per stage). ``schema``:
+    the registered model's options (``resnet110`` fixes the depth).
+
+    >>> resnet_variants({"depth": 110}), resnet_variants({"depth": 32})
+    ({'nested': {'scan_units': True, 'scan_levels': 2}}, {})
+    """
+    o = schema.model_validate({k: v for k, v in options.items() if k != "remat"})
+    arch = ARCHS[f"resnet{o.depth}"]
+    scanned = [n - _first_scanned(arch, s) for s, n in enumerate(arch.units)]
+    if o.scan_levels is not None or not any(map(models.nesting_holds_fewer, scanned)):
+        return {}
+    return {"nested": {"scan_units": True, "scan_levels": 2}}
+
+
 def _register() -> None:
     families = {
         "resnet": (ResNetOptions, build_resnet, "pre-activation CIFAR ResNet (He et al. 2016)"),
@@ -752,7 +774,10 @@ def _register() -> None:
     for family, (options, build, doc) in families.items():
         depths = options.model_fields["depth"].annotation.__args__
         doc_family = f"{doc}, option depth in {list(depths)}"
-        spec = models.ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS)
+        # RevNets offer no other form: their reversible stages keep nothing per unit already
+        # (reversible=false and anchor_every keep more), and their downsampling units are 2-3.
+        variants = resnet_variants if family == "resnet" else None
+        spec = models.ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants)
         models.register(family, spec)
         for depth in depths:
             fixed = pydantic.create_model(
@@ -763,7 +788,10 @@ def _register() -> None:
             fixed.registered_name = f"{family}{depth}"
             title = {"resnet": "ResNet", "revnet": "RevNet"}[family]
             doc_depth = f"{title}-{depth}: {doc}"
-            spec = models.ModelSpec(build, fixed, "classify", doc_depth, REMAT_PRESETS)
+            fixed_variants = variants and functools.partial(resnet_variants, schema=fixed)
+            spec = models.ModelSpec(
+                build, fixed, "classify", doc_depth, REMAT_PRESETS, fixed_variants
+            )
             models.register(f"{family}{depth}", spec)
 
 

@@ -531,6 +531,41 @@ def build(
     )
 
 
+#: What the reversible form sets: couplings instead of the scan (no nesting), and no remat plan
+#: (reversible blocks keep nothing per layer: the planner's plan does not apply to them).
+_REVERSIBLE = MappingProxyType(
+    {"reversible": True, "scan_levels": None, "remat": "none", "custom_plan": None}
+)
+
+
+def variants(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The transformer's other forms for the budget planner, those valid with ``options``.
+
+    - ``nested``: ``scan_levels: 2``, when the blocks are scanned (``scan_layers``), without
+      dropout (the nested scan draws no random numbers) and when nesting holds fewer block
+      inputs than the scan (``n_layers`` above 4) and the model is not nested already; same
+      parameters.
+    - ``reversible``: ``reversible: true`` (Reformer couplings: activation memory independent
+      of depth, for one more forward pass in the backward); its own parameters (two halves of
+      the stream), dropout allowed (the couplings replay the keys). Not offered when the model
+      is reversible already.
+
+    >>> sorted(variants({"n_layers": 9})), sorted(variants({"n_layers": 4, "dropout": 0.1}))
+    (['nested', 'reversible'], ['reversible'])
+    """
+    o = TransformerOptions.model_validate(
+        {k: v for k, v in options.items() if k not in ("remat", "custom_plan")}
+    )
+    out: dict[str, dict[str, Any]] = {}
+    if o.reversible:
+        return out
+    nestable = o.scan_layers and o.scan_levels is None and not o.dropout
+    if nestable and models.nesting_holds_fewer(o.n_layers):
+        out["nested"] = {"scan_levels": 2}
+    out["reversible"] = dict(_REVERSIBLE)
+    return out
+
+
 models.register(
     "transformer",
     models.ModelSpec(
@@ -539,5 +574,6 @@ models.register(
         task="lm",
         doc="GPT-style decoder LM with named activations, remat presets, scan and reversible",
         remat_presets=REMAT_PRESETS,
+        variants=variants,
     ),
 )

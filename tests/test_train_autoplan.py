@@ -94,6 +94,9 @@ def named_mlp():
         ("{policy: auto, budget: 1GiB, host_bandwidth: -1}", "remat.host_bandwidth"),
         ("{policy: auto, budget: 1GiB, memory_bandwidth: 0}", "remat.memory_bandwidth"),
         ("{policy: auto, budget: 1GiB, allow: [save, invert]}", "remat.allow"),
+        ("{policy: auto, budget: 1GiB, variants: [nested]}", "remat.variants"),
+        ("{policy: auto, budget: 1GiB, variants: {nested: {}}}", "remat.variants.nested"),
+        ("{policy: auto, budget: 1GiB, variants: {nested: 2}}", "remat.variants.nested"),
     ],
 )
 def test_bad_auto_plan_configs_name_the_path(tmp_path, remat, path):
@@ -146,18 +149,21 @@ def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
         return NamedMLP(depth=9, width=64, **{"remat": policy, **(options or {})})
 
     x = jnp.zeros((32, 8, 8, 1))
-    init = state.make_init(build(None), __import__("optax").sgd(0.1), x, seed=0)
-    abstract = jax.eval_shape(init)
+
+    def abstract_state(overrides):
+        init = state.make_init(build(None, overrides), __import__("optax").sgd(0.1), x, seed=0)
+        return jax.eval_shape(init)
+
+    abstract = abstract_state({})
     batch = {
         "x": jax.ShapeDtypeStruct(x.shape, x.dtype),
         "y": jax.ShapeDtypeStruct((32,), jnp.int32),
     }
     kw = dict(
         build=build,
-        abstract_state=abstract,
+        abstract_state=abstract_state,
         batch=batch,
         compute_dtype=jnp.float32,
-        has_batch_stats=False,
         say=lambda line: None,
     )
     loss = state.make_loss_fn(
@@ -168,6 +174,7 @@ def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
     request = {"policy": "auto", "budget": budget, "variants": {"nested": {"levels": 2}}}
     choice = autoplan.load_or_plan(request, run_dir=tmp_path, **kw)
     assert choice.variant == "nested" and dict(choice.model_options) == {"levels": 2}
+    assert choice.policy == choice.plan  # the variant sets no remat: the plan applies
     assert autoplan.read_choice(tmp_path / autoplan.PLAN_FILE) == choice
     again = autoplan.load_or_plan(request, run_dir=tmp_path, **kw)  # read back, not planned
     assert again == choice
@@ -176,9 +183,142 @@ def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
     (old / autoplan.PLAN_FILE).write_text("save: [mlp_hidden]\n")
     read = autoplan.read_choice(old / autoplan.PLAN_FILE)
     assert read == autoplan.AutoChoice(rn.plan({"save": ["mlp_hidden"]}), {})
-    bad = {"policy": "auto", "budget": budget, "variants": {"wide": {"width": 128}}}
-    with pytest.raises(ValueError, match=r"remat\.variants\.wide: .*Fix: drop the variant"):
+    bad = {"policy": "auto", "budget": budget, "variants": {"wide": {"widht": 128}}}
+    with pytest.raises(ValueError, match=r"remat\.variants\.wide: .*Fix: fix or drop"):
         autoplan.load_or_plan(bad, run_dir=tmp_path / "bad", **kw)
+
+
+# --- the model's own forms (models.ModelSpec.variants) -------------------------------------------
+
+
+def test_each_model_offers_only_its_valid_forms():
+    forms = lambda name, **o: models.get(name).variants(o)  # noqa: E731
+    assert set(forms("transformer", n_layers=9)) == {"nested", "reversible"}
+    assert forms("transformer", n_layers=9)["nested"] == {"scan_levels": 2}
+    assert forms("transformer", n_layers=9)["reversible"]["reversible"] is True
+    assert set(forms("transformer", n_layers=4)) == {"reversible"}  # 2 + 2 inputs: no gain
+    assert set(forms("transformer", n_layers=9, dropout=0.1)) == {"reversible"}
+    assert set(forms("transformer", n_layers=9, scan_layers=False)) == {"reversible"}
+    assert set(forms("transformer", n_layers=9, scan_levels=3)) == {"reversible"}
+    assert forms("transformer", reversible=True) == {}
+    assert forms("resnet110") == {"nested": {"scan_units": True, "scan_levels": 2}}
+    assert forms("resnet", depth=164) == forms("resnet110")
+    assert forms("resnet32") == {} and forms("resnet110", scan_units=True, scan_levels=2) == {}
+    assert all(models.get(n).variants is None for n in ("revnet38", "revnet", "nnx_revnet"))
+    # Every form offered builds (the reversible one with its own remat, the plan not applied).
+    for name, o in (
+        ("transformer", {"n_layers": 9, "d_model": 16, "n_heads": 2}),
+        ("resnet110", {}),
+    ):
+        for overrides in models.get(name).variants(o).values():
+            models.build(name, **{**o, **overrides})
+
+
+def test_variants_config_adds_replaces_drops_and_switches_off(monkeypatch):
+    # What reaches the planner, per `variants:` form (the planner itself is replaced: the
+    # choice among the forms is tested with real compiles below and above).
+    import jax
+
+    from train import autoplan
+    from train.errors import SetupError
+
+    seen = []
+
+    def spy(fn, *args, variants=None, **kw):
+        seen.append(variants)
+        raise rn.PlanError("spy")
+
+    monkeypatch.setattr(autoplan.rn, "plan_for_budget", spy)
+    own = {"nested": {"levels": 2}, "reversible": {"reversible": True, "remat": "none"}}
+    built = []
+
+    def build(policy, overrides):
+        built.append((policy, dict(overrides)))
+        return NamedMLP(depth=4, width=16, remat=policy)
+
+    x = jax.ShapeDtypeStruct((8, 4, 4, 1), jnp.float32)
+    state = __import__("train.state", fromlist=["make_init"])
+    kw = dict(
+        build=build,
+        abstract_state=lambda o: jax.eval_shape(
+            state.make_init(NamedMLP(depth=4, width=16), __import__("optax").sgd(0.1), x, seed=0)
+        ),
+        batch={"x": x, "y": jax.ShapeDtypeStruct((8,), jnp.int32)},
+        compute_dtype=jnp.float32,
+        say=lambda line: None,
+        model_variants=own,
+        write=False,
+    )
+
+    def planned(variants):
+        request = {"policy": "auto", "budget": 0.5}
+        if variants is not ...:
+            request["variants"] = variants
+        with pytest.raises(SetupError, match=r"remat\.budget=0\.5: spy"):
+            autoplan.load_or_plan(request, run_dir=Path("/nonexistent"), **kw)
+        return None if seen[-1] is None else sorted(seen[-1])
+
+    assert planned(...) == ["nested", "reversible"]  # no `variants:`: the model's own
+    assert planned({}) is None  # switched off: the planner gets none
+    assert planned({"wide": {"width": 32}}) == ["nested", "reversible", "wide"]
+    assert planned({"reversible": None}) == ["nested"]
+    built.clear()
+    planned({"nested": {"levels": 3}})  # replaced by label
+    assert (rn.Plan(), {"levels": 3}) in built and (rn.Plan(), {"levels": 2}) not in built
+    # A form that sets its own remat is built without the planner's plan.
+    assert (None, {"reversible": True, "remat": "none"}) in built
+    bogus = {"policy": "auto", "budget": 0.5, "variants": {"bogus": None}}
+    with pytest.raises(SetupError, match=r"remat\.variants\.bogus: null drops .*Fix: drop"):
+        autoplan.load_or_plan(bogus, run_dir=Path("/nonexistent"), **kw)
+
+
+def test_tiny_transformer_picks_reversible_by_default_trains_and_resumes_bitwise(tmp_path):
+    # 8 layers (d_model 32, 32 tokens, 16 per device): the least per-name plan compiles to 2.39 MiB
+    # of temp, the reversible form to 1.64 MiB (the nested form, 2.75 MiB, does not fit either):
+    # at 2 MiB only the reversible form fits, and no `variants:` is configured.
+    import numpy as np
+
+    from train import autoplan
+    from train.integrity import CheckpointError
+
+    def cfg(run_dir):
+        return cfg_for(
+            run_dir,
+            "model.options.n_layers=8",
+            "data.batch_size=128",  # 16 on each of the suite's 8 devices (planned on one)
+            "train.plot=false",
+            "remat={policy: auto, budget: 2MiB}",
+        )
+
+    lines: list[str] = []
+    first = loop.run(cfg(tmp_path / "run"), stop_after=2, out=lines.append)
+    assert first.step == 2
+    plan_file = tmp_path / "run" / autoplan.PLAN_FILE
+    choice = autoplan.read_choice(plan_file)
+    assert choice.variant == "reversible", "\n".join(lines)
+    assert choice.model_options["reversible"] is True
+    assert choice.policy is None  # reversible blocks: remat none, not the plan
+    assert any("variant 'reversible' chosen" in line for line in lines)
+    resumed = loop.run(cfg(tmp_path / "run"), out=lines.append)
+    assert resumed.step == 4 and resumed.resumed_from == 2
+    # Uninterrupted, from the same plan file (read back, not planned again).
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / autoplan.PLAN_FILE).write_text(plan_file.read_text())
+    ref = loop.run(cfg(tmp_path / "ref"), out=lines.append)
+    assert "f" in ref.state.params["blocks"]["layers"]  # the couplings' parameters (F, G)
+    for a, b in zip(jax_leaves(resumed.state.params), jax_leaves(ref.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.eval == ref.eval
+    # A plan file that builds another model than the checkpoints': an error naming it.
+    plan_file.write_text("save: [mlp_in]\n")  # a bare plan: the model as configured
+    with pytest.raises(CheckpointError, match=r"(?s)does not fit.*remat_plan\.yaml.*--restart"):
+        loop.run(cfg(tmp_path / "run"), out=lines.append)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def test_host_offload_on_cpu_warns_once_and_runs(tmp_path):
@@ -295,3 +435,40 @@ def test_a_plan_naming_what_the_model_never_produces_is_a_config_error():
     reversible = [*LM, "model.options.reversible=true", "remat={policy: auto, budget: 0.5}"]
     with pytest.raises(ConfigError, match=r"remat: policy: auto .*reversible=true"):
         load_config(None, reversible)
+
+
+def test_resnet110_picks_its_nested_form_below_every_per_name_plan(tmp_path):
+    # ResNet-110 at width 0.25 on 8x8 images, batch 32, units scanned: every per-name plan
+    # compiles to >= 1.08 MiB of temp (conv_out recomputed: 1.079 MiB), the nested scan of its
+    # 17 units per stage to 0.54 MiB (measured): 0.8 MiB is met by the nested form only.
+    import jax
+    import optax
+
+    from train import autoplan, state
+
+    spec = models.get("resnet110")
+    options = {"width": 0.25, "image_size": 8, "in_channels": 1, "scan_units": True}
+
+    def build(policy, overrides):
+        return models.build(spec, **{**options, **overrides, "remat": policy or "full"})
+
+    x = jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32)
+    lines: list[str] = []
+    choice = autoplan.load_or_plan(
+        {"policy": "auto", "budget": "0.8MiB"},
+        run_dir=tmp_path,
+        build=build,
+        abstract_state=lambda o: jax.eval_shape(
+            state.make_init(build(None, o), optax.sgd(0.1), x, seed=0)
+        ),
+        batch={
+            "x": jax.ShapeDtypeStruct((32, 8, 8, 1), jnp.float32),
+            "y": jax.ShapeDtypeStruct((32,), jnp.int32),
+        },
+        compute_dtype=jnp.float32,
+        say=lines.append,
+        model_variants=spec.variants(options),
+    )
+    assert choice.variant == "nested", "\n".join(lines)
+    assert dict(choice.model_options) == {"scan_units": True, "scan_levels": 2}
+    assert autoplan.read_choice(tmp_path / autoplan.PLAN_FILE) == choice

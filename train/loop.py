@@ -272,6 +272,8 @@ class Experiment:
       jit_kwargs: shardings and donation the step is compiled with.
       train_step: the compiled step; ``train_step(state, batch)`` donates ``state``.
       eval_step: the jitted eval step (adds to running sums).
+      plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
+        ``variant`` may change the parameters); None otherwise.
     """
 
     cfg: Config
@@ -294,6 +296,7 @@ class Experiment:
     has_batch_stats: bool
     say: Callable[[str], None]
     out: Callable[[str], None] | None
+    plan_file: Path | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -325,12 +328,10 @@ def build_experiment(
     plan = remat_lib.resolve(cfg)
 
     def build(p: Any, overrides: Mapping[str, Any] | None = None) -> Any:
-        # The model under plan p; overrides: a planner variant's model options.
+        # The model under plan p (None: its options' own remat); overrides: a variant's options.
         return _build_model(
             spec, remat_lib.model_options_with_plan({**options, **(overrides or {})}, p)
         )
-
-    model = build(plan)
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
@@ -339,9 +340,38 @@ def build_experiment(
 
     tx, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
     example = dataset.example_batch(1)
-    init = state_lib.make_init(
-        model, tx, jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype), seed=cfg.train.seed
-    )
+    x_shape = jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype)
+    compute_dtype = jnp.dtype(cfg.train.compute_dtype)
+    plan_file = None
+    if isinstance(plan, autoplan.AutoRequest):
+        # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
+        # plan (and the model's form chosen) in the run directory so a resumed run builds the
+        # same model and compiles the same step. Each form is planned on its own state's shapes.
+        plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
+        if restart and is_main and not dry_run:
+            plan_file.unlink(missing_ok=True)
+        choice = autoplan.load_or_plan(
+            plan,
+            run_dir=plan_file.parent,
+            build=build,
+            abstract_state=lambda o: jax.eval_shape(
+                state_lib.make_init(build(None, o), tx, x_shape, seed=cfg.train.seed)
+            ),
+            batch={
+                k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
+                for k, v in example.items()
+            },
+            compute_dtype=compute_dtype,
+            say=say,
+            model_variants=spec.variants(options) if spec.variants else None,
+            write=is_main and not dry_run,
+        )
+        # The chosen form (its options on the model's, its own remat if it sets one) and plan:
+        # the state below (parameters, shardings, optimizer) is built from this model.
+        options = {**options, **choice.model_options}
+        plan = choice.policy
+    model = build(plan)
+    init = state_lib.make_init(model, tx, x_shape, seed=cfg.train.seed)
     unsharded = jax.eval_shape(init)
     state_sh = sharding_lib.state_shardings(unsharded, mesh, min_size=cfg.mesh.fsdp_min_size)
     abstract = jax.tree.map(
@@ -355,31 +385,6 @@ def build_experiment(
         f"mesh {dict(mesh.shape)} on {jax.process_count()} process(es), "
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
     )
-    compute_dtype = jnp.dtype(cfg.train.compute_dtype)
-    if isinstance(plan, autoplan.AutoRequest):
-        # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
-        # plan in the run directory so a resumed run compiles the same step.
-        plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
-        if restart and is_main and not dry_run:
-            plan_file.unlink(missing_ok=True)
-        choice = autoplan.load_or_plan(
-            plan,
-            run_dir=plan_file.parent,
-            build=build,
-            abstract_state=unsharded,
-            batch={
-                k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
-                for k, v in example.items()
-            },
-            compute_dtype=compute_dtype,
-            has_batch_stats=has_bn,
-            say=say,
-            write=is_main and not dry_run,
-        )
-        # Same parameters, the chosen plan (and the chosen variant's options, if any).
-        plan = choice.plan
-        model = build(plan, choice.model_options)
-        options = {**options, **choice.model_options}
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     step_fn = state_lib.make_train_step(
@@ -430,6 +435,7 @@ def build_experiment(
         has_batch_stats=has_bn,
         say=say,
         out=out,
+        plan_file=plan_file,
     )
 
 
@@ -536,12 +542,25 @@ def restore_or_init(
     """
     # a, b, c: the newest verified step, restored onto this mesh with every leaf re-made in an
     # XLA-owned buffer one at a time (peak: the state plus one leaf), so the first step donates.
-    found = ckpt.restore_latest(
-        exp.abstract,
-        allow_dtype_cast=allow_dtype_cast,
-        allow_config_change=allow_config_change,
-        donatable=True,
-    )
+    try:
+        found = ckpt.restore_latest(
+            exp.abstract,
+            allow_dtype_cast=allow_dtype_cast,
+            allow_config_change=allow_config_change,
+            donatable=True,
+        )
+    except CheckpointError as e:
+        if exp.plan_file is None or "does not fit this config's train state" not in str(e):
+            raise
+        # remat: policy: auto builds the model the plan file names (a variant may change the
+        # parameters): a plan file that is not the checkpoints' builds another model.
+        raise CheckpointError(
+            f"{e}\nWith remat: {{policy: auto}} the model is built from {exp.plan_file} (its "
+            "variant and model_options): if that file was removed, edited or copied from "
+            "another run, the model built differs from the one the checkpoints were trained "
+            "with. Fix: put back the run's own remat_plan.yaml, or --restart (plans again and "
+            "trains from step 0)."
+        ) from None
     if found is None:
         state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
         resume = Resume()
