@@ -350,7 +350,9 @@ class Config(_Section):
         None,
         description="remat plan of the model: a preset name, {save: [...], offload: [...], "
         "recompute: [...], default: recompute|save}, or {policy: auto, budget: 2GiB} for the "
-        "plan the budget planner picks (budget in B/KiB/MiB/GiB, or a fraction of no remat)",
+        "plan the budget planner picks (budget in B/KiB/MiB/GiB, or a fraction of no remat; "
+        "below every plan it falls back on the model's forms, e.g. the transformer's "
+        "reversible: variants: {label: {options}} adds one, {label: null} drops one, {} none)",
     )
     data: Data = Field(default_factory=Data)  # type: ignore[arg-type]
     optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
