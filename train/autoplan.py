@@ -342,7 +342,8 @@ def load_or_plan(
         except Exception as e:  # pydantic's, flax's and the model's own errors vary
             given = dict(request.variants or ()).get(label) is not None
             fix = (
-                "fix or drop remat.variants." + label
+                f"fix or drop remat.variants.{label} (a form that takes no per-name plan sets "
+                "its own remat, e.g. {reversible: true, remat: none})"
                 if given
                 else f"drop it with remat.variants: {{{label}: null}} (and report it: the model "
                 "offers it)"
