@@ -156,7 +156,7 @@ def _loss(f):
     return lambda *args: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(f(*args)))
 
 
-# 40 programs in the suite (~45 s on 2 cores); REMAT_NN_FUZZ_EXAMPLES=1000 for a long run.
+# 40 programs in the suite (~30 s in one process); REMAT_NN_FUZZ_EXAMPLES=1000 for a long run.
 @settings(
     max_examples=int(os.environ.get("REMAT_NN_FUZZ_EXAMPLES", "40")),
     deadline=None,
@@ -169,10 +169,10 @@ def _loss(f):
 def test_random_coupling_programs_match_autodiff(spec, seed):
     program = _scanned(spec) if spec["scan"] else _unrolled(spec)
     depth, b, d = len(spec["layers"]), spec["batch"], spec["width"]
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x1 = jax.random.normal(k[0], (b, d))
-    x2 = jax.random.normal(k[1], (b, d))
-    ws = 0.5 * jax.random.normal(k[2], (depth, d, d)) / np.sqrt(d)
+    # Drawn with NumPy: an eager jax.random draw compiles a program per shape.
+    rng = np.random.default_rng(seed)
+    x1, x2 = (jnp.asarray(rng.standard_normal((b, d)), jnp.float32) for _ in range(2))
+    ws = jnp.asarray(0.5 * rng.standard_normal((depth, d, d)) / np.sqrt(d), jnp.float32)
     inv = rn.invertible(program)
     report = rn.inversion_report(inv, x1, x2, ws)
     assert report.invertible, str(report)  # x1, x2 are rebuilt from the outputs, not kept
@@ -183,7 +183,7 @@ def test_random_coupling_programs_match_autodiff(spec, seed):
     except Exception as e:  # only rn.invertible's own run-time check may stop it
         assert "rn.invertible: rebuilding an operand" in str(e), repr(e)
         return
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in got), got
+    assert all(np.isfinite(np.asarray(g)).all() for g in got), got
     err = rel_err(got, want)
     assert err <= 1e-5, f"gradient rel err {err:.2e}\n{report}"
 
