@@ -133,6 +133,9 @@ def test_auto_plan_is_saved_and_reused_on_resume(tmp_path, named_mlp):
     assert second.step == 4 and second.resumed_from == 2
     assert any(f"from {plan_file}" in line for line in lines)
     assert rn.plan(plan_file) == saved
+    lines.clear()  # --dry-run shows the plan chosen, not only the request
+    loop.run(cfg, dry_run=True, out=lines.append)
+    assert f"remat plan: {cfg.remat} -> {saved}" in lines, [ln for ln in lines if "remat" in ln]
 
 
 def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):

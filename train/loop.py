@@ -272,6 +272,7 @@ class Experiment:
       jit_kwargs: shardings and donation the step is compiled with.
       train_step: the compiled step; ``train_step(state, batch)`` donates ``state``.
       eval_step: the jitted eval step (adds to running sums).
+      auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
       plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
         ``variant`` may change the parameters); None otherwise.
     """
@@ -297,6 +298,7 @@ class Experiment:
     say: Callable[[str], None]
     out: Callable[[str], None] | None
     plan_file: Path | None = None
+    auto_choice: autoplan.AutoChoice | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -342,7 +344,7 @@ def build_experiment(
     example = dataset.example_batch(1)
     x_shape = jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype)
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
-    plan_file = None
+    plan_file = choice = None
     if isinstance(plan, autoplan.AutoRequest):
         # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
         # plan (and the model's form chosen) in the run directory so a resumed run builds the
@@ -436,6 +438,7 @@ def build_experiment(
         say=say,
         out=out,
         plan_file=plan_file,
+        auto_choice=choice,
     )
 
 
