@@ -437,3 +437,36 @@ def test_timing_race_keeps_a_plan_within_the_margin_to_the_last_round(fake_clock
     plans["h"] = fake_clock.executable(1.03)  # 3%: clearly slower
     rel, ran = _planner._time(plans, (), rounds=12)
     assert ran == 5 and rel["h"] == pytest.approx(1.03, rel=1e-9)
+
+
+def test_interaction_study_models_are_exact_where_their_terms_suffice():
+    # benchmarks/planner_interactions.py on made-up compiled temps (no compile): a temp that is
+    # the planner's own form (floor + stacks - largest reduction) is predicted exactly by the
+    # planner's model; one with a pair interaction is missed by it and fitted exactly by the
+    # second-order model (pairs compiled) and the order-2 oracle, not by the order-1 oracle.
+    from benchmarks import planner_interactions as pi
+
+    names = ("a", "b", "c", "d")
+    stacks = {"a": 8, "b": 8, "c": 32, "d": 8}
+    red = {"a": 0, "b": 24, "c": 0, "d": 16}
+    sets = [frozenset(s) for k in range(5) for s in itertools.combinations(names, k)]
+
+    def errors(temp):
+        temps = {s: temp(s) for s in sets}
+        return {
+            label.split(" (")[0].split(" on ")[0]: max(
+                abs(predict(s) - temps[s]) / temps[s] for s in sets if len(s) >= 2
+            )
+            for label, _, predict in pi.models(temps, stacks, names)
+        }
+
+    planner_form = errors(
+        lambda s: 100 + sum(stacks[n] for n in s) - max((red[n] for n in s), default=0)
+    )
+    assert planner_form["planner's model"] < 1e-12, planner_form
+    paired = errors(lambda s: 100 + sum(stacks[n] for n in s) + 24 * ({"b", "d"} <= s))
+    assert paired["planner's model"] > 0.05, paired
+    assert paired["second order"] < 1e-12 and paired["order-2 least squares"] < 1e-9, paired
+    assert paired["order-1 least squares"] > 0.01, paired
+    table = pi.table({s: 100 + 8 * len(s) for s in sets}, stacks, names)
+    assert len(table.splitlines()) == 2 + 5 and "| 0 of 11 |" in table, table
