@@ -38,11 +38,15 @@ FULL = R.REMAT_PRESETS["full"]
 SAVE_CONV = R.REMAT_PRESETS["save_conv_out"]
 
 
-def _images(batch=4, size=8):
+# Batch 16: at batch 4 the bottleneck RevNet's last stage normalizes 16 values per channel, and
+# plain autodiff compiled with XLA:CPU's two fusion emitters (MLIR, classic) disagrees by up to
+# 1e-4 in a BatchNorm scale's gradient (round-off, 3 seeds); at batch 16 the two agree bit for
+# bit and the reversible path's error is 2.4e-6 to 7.6e-6 over 4 seeds (measured, bar 1e-5).
+def _images(batch=16, size=8):
     return jax.random.uniform(jax.random.key(1), (batch, size, size, 3))
 
 
-def _labels(batch=4):
+def _labels(batch=16):
     return jnp.arange(batch) % 10
 
 

@@ -365,7 +365,12 @@ def test_transformer_budget_below_recompute_everything(tiny_lm):
     assert all(t.prediction_error <= 0.05 for t in searched[1:]), str(report)
     grads = jax.jit(jax.grad(lambda p, t: loss(p, t, policy=report.plan)))(params, tokens)
     want = jax.jit(jax.grad(loss))(params, tokens)
-    assert rel_err(grads, want) < 1e-6, rel_err(grads, want)
+    # test_models' comparison of this transformer's gradients: each leaf's scale floored at 1% of
+    # the largest (the key bias's exact gradient is 0: softmax ignores a shift of every score, so
+    # it holds only round-off) and 1e-5. Measured with XLA:CPU's classic fusion emitters: 3.3e-6
+    # so (the key bias), 1.1e-6 in the other leaves unfloored; a bar of 1e-6 sits at round-off.
+    # (The MLIR emitters happen to give plain autodiff's gradient bit for bit here.)
+    assert rel_err(grads, want, floor=1e-2) < 1e-5, rel_err(grads, want, floor=1e-2)
 
 
 def test_function_without_names_is_an_error():
