@@ -1,5 +1,5 @@
-"""Every benchmark runs end to end in quick mode (one timing round) and writes its results with
-the command, and the README's table of targets has the rows the benchmark emits."""
+"""``python -m benchmarks all --quick`` runs every benchmark end to end (one timing round), each
+writes its results with the command, and the README's table of targets has the rows each emits."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from benchmarks import _common
 from benchmarks.__main__ import BENCHMARKS
@@ -30,63 +28,53 @@ def _readme_rows(name: str) -> list[str]:
     return [row.strip().strip("|").split(" | ")[1] for row in rows]
 
 
-@pytest.fixture(scope="session")
-def benchmark_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The benchmarks' environment: the suite's (``XLA_FLAGS``, the CPU platform: conftest.py)
-    and one JAX compilation cache for every benchmark process of the session.
-
-    Benchmarks compile programs in common (the transformer's presets and init: transformer,
-    planner, efficiency, strategies, donation; the quick RevNet-38: revnet, efficiency), and
-    only the first to run compiles them. Under xdist the cache is in the session's directory,
-    which the workers share (an entry read while another process writes it fails to load: JAX
-    warns and compiles). Every entry is kept (no minimum compile time). The trainer, which sets
-    its cache directory from the config only when none is set, writes here, not to the user's.
-    """
-    base = tmp_path_factory.getbasetemp()
-    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache"
-    cache.mkdir(exist_ok=True)
-    return os.environ | {
+def test_quick_benchmarks_write_results_and_the_readme_rows(tmp_path: Path) -> None:
+    # `python -m benchmarks all --quick` (the README's command at tiny sizes), in one process: the
+    # benchmarks share what they compile in common (the transformer's presets and init:
+    # transformer, planner, efficiency, strategies, donation; the quick RevNet-38: revnet,
+    # efficiency) and planner and efficiency reuse the transformer benchmark's measurements, as in
+    # a full run. 120 CPU-s against 184 for one process per benchmark (measured). A compilation
+    # cache of the test's own serves the trainer benchmark's child processes, which would
+    # otherwise write to the user's (the suite's XLA flags reach them all: conftest.py).
+    cache = tmp_path / "jax_cache"
+    env = os.environ | {
         "JAX_COMPILATION_CACHE_DIR": str(cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-
-
-# The transformer first: the planner and efficiency benchmarks then find its compiles in the
-# cache. Then the longest first, so that `-n 2` ends its two workers together.
-_FIRST = ("transformer", "revnet", "strategies", "planner", "efficiency", "trainer")
-_ORDER = sorted(BENCHMARKS, key=lambda n: _FIRST.index(n) if n in _FIRST else len(_FIRST))
-
-
-@pytest.mark.parametrize("name", _ORDER)
-def test_quick_benchmark_writes_results_and_the_readme_rows(
-    name: str, tmp_path: Path, benchmark_env: dict[str, str]
-) -> None:
-    # One process per benchmark, so that `-n 2` spreads them; a benchmark that reuses another's
-    # measurements in `python -m benchmarks all` (planner, efficiency) takes them itself here.
+    out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", name, "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
         cwd=ROOT,
-        env=benchmark_env,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    md = tmp_path / f"{name}_quick.md"
+    summary = (out / "summary_quick.md").read_text()
+    for name in BENCHMARKS:
+        _check_results(name, out, summary)
+
+
+def _check_results(name: str, out: Path, summary: str) -> None:
+    md = out / f"{name}_quick.md"
     assert md.exists(), f"{name}: no {md.name}"
     text = md.read_text()
     assert "Reproduce:" in text, f"{name}: no reproduce line"
     pngs = [ln.split("(")[1].rstrip(")") for ln in text.splitlines() if ln.startswith("![")]
     assert pngs, f"{name}: no figure"
     for png in pngs:
-        assert (tmp_path / png).stat().st_size > 0, f"{name}: {png} missing or empty"
+        assert (out / png).stat().st_size > 0, f"{name}: {png} missing or empty"
     # Every timing verdict carries its noise; the summary lists this benchmark's targets.
     targets = _common.targets_of(md)
     for claim, met, _figure, noise in targets:
-        assert met in ("yes", "NO", "within noise") or met.startswith("inconclusive"), (claim, met)
-        assert noise == "exact" or "vs itself" in noise, (claim, noise)
-    summary = (tmp_path / "summary_quick.md").read_text()
-    assert all(claim in summary for claim, *_ in targets)
+        assert met in ("yes", "NO", "within noise") or met.startswith("inconclusive"), (
+            name,
+            claim,
+            met,
+        )
+        assert noise == "exact" or "vs itself" in noise, (name, claim, noise)
+    assert all(claim in summary for claim, *_ in targets), name
     # The README's table is pasted from a full run: the same targets, in the same order.
     readme = _readme_rows(name)
     quick_only = {"revnet": 1}.get(name, 0)  # the 1/8 memory target is full-size only

@@ -40,7 +40,7 @@ def _lm_grad():
 
 def _revnet_grad():
     # Reversible stages (custom VJP, unrolled convolutions tied to the cotangent) with BatchNorm.
-    module = R.RevNet(R.Arch((2, 2, 2), (8, 16, 16), 8, bottleneck=False))
+    module = R.RevNet(R.Arch((1, 1, 1), (8, 16, 16), 8, bottleneck=False))
     images = jax.ShapeDtypeStruct((8, 8, 8, 3), jnp.float32)
     v = random_variables(jax.eval_shape(module.init, jax.random.key(0), images))
 
