@@ -3,7 +3,6 @@ writes its results with the command, and the README's table of targets has the r
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from benchmarks import _common
 from benchmarks.__main__ import BENCHMARKS
+from tests.trainer_cli import shared_compilation_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,23 +33,18 @@ def test_quick_benchmarks_write_results_and_the_readme_rows(tmp_path: Path) -> N
     # benchmarks share what they compile in common (the transformer's presets and init:
     # transformer, planner, efficiency, strategies, donation; the quick RevNet-38: revnet,
     # efficiency) and planner and efficiency reuse the transformer benchmark's measurements, as in
-    # a full run. 120 CPU-s against 184 for one process per benchmark (measured). A compilation
-    # cache of the test's own serves the trainer benchmark's child processes, which would
-    # otherwise write to the user's (the suite's XLA flags reach them all: conftest.py).
-    cache = tmp_path / "jax_cache"
-    env = os.environ | {
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+    # a full run (about 180 CPU-s against 184 for one process per benchmark: one run each). A
+    # compilation cache of the test's own serves the trainer benchmark's child processes, which
+    # would otherwise write to the user's (the suite's XLA flags reach them all: conftest.py).
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    with shared_compilation_cache(str(tmp_path / "jax_cache")):  # for the children too
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = (out / "summary_quick.md").read_text()
     for name in BENCHMARKS:
