@@ -5,7 +5,7 @@ every function compared runs once per round, rounds in a fresh random order, a r
 median over rounds of two times from the same round, and the baseline timed against itself in
 the same rounds gives the noise printed beside each verdict. Each result file records the
 machine, the versions and the command; ``summary.md`` collects every target, and the README's
-table is pasted from the one printed at the end of ``python -m benchmarks all``.
+table is the one printed at the end: a full run into ``results/`` writes it into the README too.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "donation": "benchmarks.donation",
     "efficiency": "benchmarks.efficiency",
     "planner": "benchmarks.planner",
+    "planner_interactions": "benchmarks.planner_interactions",
     "trainer": "benchmarks.trainer",
 }
 
@@ -57,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         _common.write_summary(args.out, list(BENCHMARKS), quick=args.quick)
         print(f"\n[{name}: {time.perf_counter() - t0:.0f}s -> {path}]\n", flush=True)
     print(f"[{', '.join(names)}: {time.perf_counter() - start:.0f}s in all]", flush=True)
-    print("\nThe README's table (benchmarks/results/summary.md):\n", flush=True)
-    print(
-        _common.summary_table(
-            args.out, list(BENCHMARKS), quick=args.quick, link_prefix="benchmarks/results/"
-        ),
-        flush=True,
+    table = _common.summary_table(
+        args.out, list(BENCHMARKS), quick=args.quick, link_prefix="benchmarks/results/"
     )
+    print("\nThe README's table (benchmarks/results/summary.md):\n", flush=True)
+    print(table, flush=True)
+    if not args.quick and args.out.resolve() == _common.RESULTS:
+        _common.paste_into_readme(table)
+        print(f"\n(written into {_common.README.name}, between its benchmarks:summary lines)")
     return 0
 
 

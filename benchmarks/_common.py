@@ -17,6 +17,9 @@ import jax
 from remat_nn._timing import timing_rounds
 
 RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: The README lines between which a full run writes the table of targets.
+README_MARKERS = ("<!-- benchmarks:summary begin -->", "<!-- benchmarks:summary end -->")
 
 
 @dataclass
@@ -221,3 +224,13 @@ def write_summary(out: Path, names: list[str], *, quick: bool) -> Path:
     ]
     path.write_text("\n".join(text) + "\n")
     return path
+
+
+def paste_into_readme(table: str, readme: Path = README) -> None:
+    """Replaces the lines between the README's :data:`README_MARKERS` with ``table``."""
+    begin, end = README_MARKERS
+    lines = readme.read_text().splitlines()
+    if begin not in lines or end not in lines or lines.index(begin) > lines.index(end):
+        raise ValueError(f"{readme} has no '{begin}' ... '{end}' block to write the table into")
+    lines[lines.index(begin) + 1 : lines.index(end)] = table.splitlines()
+    readme.write_text("\n".join(lines) + "\n")

@@ -13,25 +13,28 @@ activations saved (2^8 = 256 compiles of the full model), and measures, on all o
   - least-squares fits on all 256 compiled sets (oracles: no planner can have these), of
     first-, second- and third-order polynomials in the kept-name indicators.
 
-``python -m benchmarks.planner_interactions`` (the full model, ~9 min on 2 cores) or ``--quick``
-(the quick transformer, 4 names). Nothing is timed; memory only, from XLA's compiled memory
-analysis on this backend.
+``python -m benchmarks planner_interactions`` (the full model, ~9 min on 2 cores; part of
+``all``) or ``--quick`` (the quick transformer, 4 names). Nothing is timed; memory only, from
+XLA's compiled memory analysis on this backend.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import matplotlib
 import numpy as np
 
-import remat_nn as rn
-from benchmarks import _workloads as wl
-from remat_nn._memory import format_bytes
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import remat_nn as rn  # noqa: E402
+from benchmarks import _workloads as wl  # noqa: E402
+from benchmarks._common import Result, Target  # noqa: E402
+from remat_nn._memory import format_bytes  # noqa: E402
 
 NAMES = (
     "attention_scores",
@@ -108,33 +111,37 @@ def models(
     return out
 
 
+def errors(
+    temps: dict[Subset, int], stacks: dict[str, int], names: Sequence[str]
+) -> list[tuple[str, int | None, np.ndarray, np.ndarray]]:
+    """``(model, compiles it needs, predicted, compiled)`` over the sets of >= 2 names."""
+    multi = [s for s in temps if len(s) >= 2]
+    compiled = np.array([temps[s] for s in multi], float)
+    return [
+        (label, compiles, np.array([predict(s) for s in multi]), compiled)
+        for label, compiles, predict in models(temps, stacks, names)
+    ]
+
+
 def table(temps: dict[Subset, int], stacks: dict[str, int], names: Sequence[str]) -> str:
     """Markdown: each model's largest and 90th-percentile error over the sets of >= 2 names."""
-    multi = [s for s in temps if len(s) >= 2]
     rows = [
         "| model | compiles it needs | largest error | 90th percentile | sets over 5% |",
         "|---|--:|--:|--:|--:|",
     ]
-    for label, compiles, predict in models(temps, stacks, names):
-        errors = np.array([abs(predict(s) - temps[s]) / temps[s] for s in multi])
+    for label, compiles, predicted, compiled in errors(temps, stacks, names):
+        err = np.abs(predicted - compiled) / compiled
         need = "oracle (all)" if compiles is None else str(compiles)
         rows.append(
-            f"| {label} | {need} | {errors.max():.1%} | {np.quantile(errors, 0.9):.1%} | "
-            f"{int((errors > 0.05).sum())} of {len(multi)} |"
+            f"| {label} | {need} | {err.max():.1%} | {np.quantile(err, 0.9):.1%} | "
+            f"{int((err > 0.05).sum())} of {len(err)} |"
         )
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.planner_interactions", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="the quick transformer, 4 names")
-    args = parser.parse_args(argv)
-    config, names = (wl.LM_QUICK, QUICK_NAMES) if args.quick else (wl.LM_FULL, NAMES)
+def run(quick: bool = False) -> Result:
+    config, names = (wl.LM_QUICK, QUICK_NAMES) if quick else (wl.LM_FULL, NAMES)
     model = wl.lm(config)
-    command = "python -m benchmarks.planner_interactions" + (" --quick" if args.quick else "")
-    print(f"Reproduce: `{command}`  \n{config}; backend {jax.default_backend()}", flush=True)
     save_all = rn.Plan(save=names)
     by_name = rn.memory_report(
         lambda p, t: model.loss(p, t, policy=save_all), model.params, model.tokens
@@ -142,15 +149,38 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {n: by_name.get(n, {}).get("bytes", 0) for n in names}
     temps = compile_subsets(model, names)
     floor = temps[frozenset()]
-    print(
-        f"\n{len(temps)} sets compiled; every name recomputed {format_bytes(floor)}; least "
-        f"{format_bytes(min(temps.values()))}, most {format_bytes(max(temps.values()))}. "
-        f"Errors are |predicted - compiled| / compiled over the {sum(len(s) >= 2 for s in temps)} "
-        "sets of two names or more.\n"
-    )
-    print(table(temps, stacks, names))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    multi = sum(len(s) >= 2 for s in temps)
+    md = [
+        f"{config}: the gradient compiled with every subset of {len(names)} names saved "
+        f"({', '.join(names)}; the rest recomputed). {len(temps)} sets compiled; every name "
+        f"recomputed {format_bytes(floor)}; least {format_bytes(min(temps.values()))}, most "
+        f"{format_bytes(max(temps.values()))}. Errors are |predicted - compiled| / compiled over "
+        f"the {multi} sets of two names or more; 'oracle' models are fitted on every compiled "
+        "set, which no planner has.",
+        "",
+        table(temps, stacks, names),
+    ]
+    results = errors(temps, stacks, names)
+    planner_label, calibration, predicted, compiled = results[0]
+    err = np.abs(predicted - compiled) / compiled
+    oracle = next(r for r in results if r[0].startswith("order-3"))
+    oracle_err = np.abs(oracle[2] - oracle[3]) / oracle[3]
+    targets = [
+        Target(
+            f"the planner's memory model ({calibration} compiles) within 5% on every set of "
+            ">= 2 names saved",
+            bool(err.max() <= 0.05),
+            f"largest {err.max():.1%}, 90th percentile {np.quantile(err, 0.9):.1%}, "
+            f"{int((err > 0.05).sum())} of {len(err)} sets over 5% (order-3 oracle: largest "
+            f"{oracle_err.max():.1%})",
+        )
+    ]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, _, pred, comp in results[:2] + [oracle]:
+        ax.scatter(comp / 2**20, pred / 2**20, s=10, alpha=0.6, label=label)
+    lo, hi = min(temps.values()) / 2**20, max(temps.values()) / 2**20
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set(xlabel="compiled temp (MiB)", ylabel="predicted temp (MiB)")
+    ax.set_title(f"memory models over every set of >= 2 names ({multi} sets)")
+    ax.legend(fontsize=7)
+    return Result("planner_interactions", "\n".join(md), {"planner_interactions.png": fig}, targets)
