@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import _common
 from benchmarks.__main__ import BENCHMARKS
 from tests.trainer_cli import shared_compilation_cache
@@ -75,3 +77,15 @@ def _check_results(name: str, out: Path, summary: str) -> None:
     quick_only = {"revnet": 1}.get(name, 0)  # the 1/8 memory target is full-size only
     assert [_shape(c) for c in readme[quick_only:]] == [_shape(c) for c, *_ in targets], name
     assert len(readme) == len(targets) + quick_only, name
+
+
+def test_a_full_run_writes_the_table_between_the_readme_markers(tmp_path: Path) -> None:
+    begin, end = _common.README_MARKERS
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{begin}\n| old | row |\n| old | row 2 |\n{end}\nafter\n")
+    _common.paste_into_readme("| new | row |", readme)
+    assert readme.read_text() == f"# title\n\nbefore\n{begin}\n| new | row |\n{end}\nafter\n"
+    readme.write_text(f"no markers\n{end}\n{begin}\n")  # end before begin: refused, unchanged
+    with pytest.raises(ValueError, match="benchmarks:summary begin"):
+        _common.paste_into_readme("| new | row |", readme)
+    assert readme.read_text() == f"no markers\n{end}\n{begin}\n"
