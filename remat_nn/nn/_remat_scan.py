@@ -64,7 +64,8 @@ def remat_scan(
     >>> variables = Scanned().init(jax.random.key(0), x)  # a checkpoint of the plain scan
     >>> jax.tree.map(jnp.shape, variables["params"]["Dense_0"])
     {'bias': (10, 4), 'kernel': (10, 4, 4)}
-    >>> bool(jnp.allclose(Stack().apply(variables, x)[0], Scanned().apply(variables, x)[0]))
+    >>> import remat_nn as rn
+    >>> rn.relative_error(Stack().apply(variables, x)[0], Scanned().apply(variables, x)[0]) < 1e-6
     True
     """
     if not (isinstance(target, type) and issubclass(target, fnn.Module)):
