@@ -106,8 +106,8 @@ def models(
         x = _indicators(sets, names, order)
         w = np.linalg.lstsq(x, y, rcond=None)[0]
         fitted = dict(zip(sets, x @ w, strict=True))
-        out.append((f"order-{order} least squares on all sets ({x.shape[1]} terms)", None,
-                    fitted.__getitem__))  # fmt: skip
+        label = f"order-{order} least squares on all sets ({x.shape[1]} terms)"
+        out.append((label, None, fitted.__getitem__))
     return out
 
 

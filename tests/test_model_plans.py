@@ -53,9 +53,11 @@ def _labels(batch=16):
 def _loss(module):
     def loss(params, batch_stats, images, labels):
         logits, updates = module.apply(
-            {"params": params, "batch_stats": batch_stats}, images, train=True,
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
             mutable=["batch_stats"],
-        )  # fmt: skip
+        )
         logp = jax.nn.log_softmax(logits)  # (B, classes)
         return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), updates
 
@@ -237,8 +239,11 @@ def test_every_cnn_model_takes_presets_plans_and_mappings_through_the_registry()
 
 @pytest.mark.parametrize("name", ["resnet32", "revnet164"])
 def test_plans_that_would_do_nothing_are_refused_naming_the_model(name):
-    with pytest.raises(ValueError, match=rf"{name}: option remat=<plan save=query_proj.*never "
-                       r"produces.*\['conv_out'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}: option remat=<plan save=query_proj.*never "
+        r"produces.*\['conv_out'\]",
+    ):
         models.build(name, remat=rn.plan({"save": ["query_proj"]}))
     with pytest.raises(
         ValueError, match=rf"{name}: unknown remat preset 'ful'. Did you mean 'full'"
@@ -277,11 +282,21 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 def _dry_run(tmp_path, *overrides: str) -> tuple[str, int]:
     # configs/resnet.yaml on 16x16 synthetic images (batch 64), so activations dominate temp.
     lines: list[str] = []
-    knobs = [f"run_dir={tmp_path}", "data.source=synthetic", "data.synthetic.num_examples=64",
-             "data.synthetic.image_shape=[16,16,3]", "data.batch_size=64", "train.steps=2",
-             "train.plot=false", "train.compile_cache=null"]  # fmt: skip
-    loop.run(load_config(ROOT / "configs/resnet.yaml", [*knobs, *overrides]), dry_run=True,
-             out=lines.append)  # fmt: skip
+    knobs = [
+        f"run_dir={tmp_path}",
+        "data.source=synthetic",
+        "data.synthetic.num_examples=64",
+        "data.synthetic.image_shape=[16,16,3]",
+        "data.batch_size=64",
+        "train.steps=2",
+        "train.plot=false",
+        "train.compile_cache=null",
+    ]
+    loop.run(
+        load_config(ROOT / "configs/resnet.yaml", [*knobs, *overrides]),
+        dry_run=True,
+        out=lines.append,
+    )
     text = "\n".join(lines)
     (value, unit), *_ = re.findall(r"XLA compiled memory[\s\S]*?temp: ([\d.]+) (\w+)", text)
     return text, int(float(value) * _UNITS[unit])
