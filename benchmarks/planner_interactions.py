@@ -13,7 +13,7 @@ activations saved (2^8 = 256 compiles of the full model), and measures, on all o
   - least-squares fits on all 256 compiled sets (oracles: no planner can have these), of
     first-, second- and third-order polynomials in the kept-name indicators.
 
-``python -m benchmarks planner_interactions`` (the full model, ~9 min on 2 cores; part of
+``python -m benchmarks planner_interactions`` (the full model, ~8 min on 2 cores; part of
 ``all``) or ``--quick`` (the quick transformer, 4 names). Nothing is timed; memory only, from
 XLA's compiled memory analysis on this backend.
 """
@@ -123,20 +123,28 @@ def errors(
     ]
 
 
-def table(temps: dict[Subset, int], stacks: dict[str, int], names: Sequence[str]) -> str:
-    """Markdown: each model's largest and 90th-percentile error over the sets of >= 2 names."""
+def _relative(predicted: np.ndarray, compiled: np.ndarray) -> np.ndarray:
+    return np.abs(predicted - compiled) / compiled
+
+
+def _table(results: list[tuple[str, int | None, np.ndarray, np.ndarray]]) -> str:
     rows = [
         "| model | compiles it needs | largest error | 90th percentile | sets over 5% |",
         "|---|--:|--:|--:|--:|",
     ]
-    for label, compiles, predicted, compiled in errors(temps, stacks, names):
-        err = np.abs(predicted - compiled) / compiled
+    for label, compiles, predicted, compiled in results:
+        err = _relative(predicted, compiled)
         need = "oracle (all)" if compiles is None else str(compiles)
         rows.append(
             f"| {label} | {need} | {err.max():.1%} | {np.quantile(err, 0.9):.1%} | "
             f"{int((err > 0.05).sum())} of {len(err)} |"
         )
     return "\n".join(rows)
+
+
+def table(temps: dict[Subset, int], stacks: dict[str, int], names: Sequence[str]) -> str:
+    """Markdown: each model's largest and 90th-percentile error over the sets of >= 2 names."""
+    return _table(errors(temps, stacks, names))
 
 
 def run(quick: bool = False) -> Result:
@@ -150,6 +158,7 @@ def run(quick: bool = False) -> Result:
     temps = compile_subsets(model, names)
     floor = temps[frozenset()]
     multi = sum(len(s) >= 2 for s in temps)
+    results = errors(temps, stacks, names)  # fits the oracles once, for the table and targets
     md = [
         f"{config}: the gradient compiled with every subset of {len(names)} names saved "
         f"({', '.join(names)}; the rest recomputed). {len(temps)} sets compiled; every name "
@@ -158,13 +167,12 @@ def run(quick: bool = False) -> Result:
         f"the {multi} sets of two names or more; 'oracle' models are fitted on every compiled "
         "set, which no planner has.",
         "",
-        table(temps, stacks, names),
+        _table(results),
     ]
-    results = errors(temps, stacks, names)
-    planner_label, calibration, predicted, compiled = results[0]
-    err = np.abs(predicted - compiled) / compiled
+    _, calibration, predicted, compiled = results[0]  # the planner's model
+    err = _relative(predicted, compiled)
     oracle = next(r for r in results if r[0].startswith("order-3"))
-    oracle_err = np.abs(oracle[2] - oracle[3]) / oracle[3]
+    oracle_err = _relative(oracle[2], oracle[3])
     targets = [
         Target(
             f"the planner's memory model ({calibration} compiles) within 5% on every set of "
