@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn import _named_axes
 from remat_nn._checkpoint import check_bool, check_policy
 from remat_nn._checkpoint import checkpoint as rn_checkpoint
 from remat_nn._jax_internals import core, pe
@@ -283,7 +284,7 @@ class _Schedule:
 
     def loop(self, count: int, body: Callable[[Any, Any], Any], state: Any, innermost: bool) -> Any:
         unroll = self.unroll if innermost else 1
-        return jax.lax.fori_loop(0, count, body, state, unroll=unroll)
+        return _named_axes.fori_loop(0, count, body, state, unroll=unroll)
 
     # --- forward ----------------------------------------------------------------------------
 
@@ -386,7 +387,7 @@ class _Schedule:
             rem_carry, stack = carry, None
             if q:
                 init = (carry, _stack_zeros(q, carry))  # (q, *carry)
-                rem_carry, stack = jax.lax.fori_loop(0, q, advance, init)
+                rem_carry, stack = _named_axes.fori_loop(0, q, advance, init)
             carry_of = lambda j: _at(stack, j)
 
         def one(st: tuple[Any, ...], c: PyTree, sub_start: Any, sub_steps: int) -> tuple[Any, ...]:
@@ -475,16 +476,18 @@ def _nested(
             bufs[f"c{d}"] = _stack_zeros(-(-n // sched.size(d + 1)), init)
         carry, bufs = sched.forward(consts, init, xs, bufs)
         ys = bufs.pop("ys")
-        return (carry, ys), (consts, xs, bufs)
+        types = _named_axes.type_witness((consts, init))  # under shard_map: see _named_axes
+        return (carry, ys), (consts, xs, bufs, types)
 
     def run_bwd(res: Any, cts: Any) -> tuple[Any, Any, Any]:
-        consts, xs, kept = res
+        consts, xs, kept, types = res
         sched._vjp = None  # traced anew in each trace of the backward pass
         ct_carry, ct_ys = cts
         kd, yd = _Diff(consts), _Diff(y0)
         state = (cd.split(ct_carry), xd.zeros(), kd.zeros())
         ct_c, ct_xs, ct_k = sched.backward(consts, xs, kept, None, state, yd.split(ct_ys), cd, kd)
-        return kd.full_ct(ct_k), cd.full_ct(ct_c), xd.full_ct(ct_xs)
+        out = kd.full_ct(ct_k), cd.full_ct(ct_c), xd.full_ct(ct_xs)
+        return _named_axes.cotangents_like(out, types and (*types, xs))
 
     run.defvjp(run_fwd, run_bwd)
     return run(consts, init, xs)
@@ -571,5 +574,5 @@ def remat_scan(
     actions = _check_carry_policy(carry_policy, len(sizes))
     body = rn_checkpoint(f, policy=policy, prevent_cse=False)
     if n == 0 or len(sizes) == 1:  # one level: a checkpointed scan (n carries kept)
-        return jax.lax.scan(body, init, xs, length=n, reverse=reverse, unroll=unroll)
+        return _named_axes.scan(body, init, xs, length=n, reverse=reverse, unroll=unroll)
     return _nested(body, init, xs, n, sizes, actions, reverse, unroll)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn import _named_axes
 from remat_nn._jax_internals import sub_jaxprs
 from remat_nn._tie import tie, zero_after
 
@@ -256,7 +257,7 @@ def _forward_layers(
         y, new_consts = block.forward(p, c, carry)
         return y, new_consts
 
-    return jax.lax.scan(step, x, (params, consts), unroll=unroll)
+    return _named_axes.scan(step, x, (params, consts), unroll=unroll)
 
 
 def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll: int | bool):
@@ -279,7 +280,7 @@ def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll: int 
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
     carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype))
-    (_, dx, _), dparams = jax.lax.scan(step, carry, (params, consts), reverse=True, unroll=unroll)
+    (_, dx, _), dparams = _named_axes.scan(step, carry, (params, consts), reverse=True, unroll=unroll)
     return dx, dparams
 
 
@@ -354,7 +355,7 @@ def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bo
             return y, (new_consts, y)
 
         segs = (_segments(params, num_segments), _segments(consts, num_segments))
-        y, (new_consts, ends) = jax.lax.scan(segment, x, segs, unroll=unroll)
+        y, (new_consts, ends) = _named_axes.scan(segment, x, segs, unroll=unroll)
         # ends[s] is the output of segment s (the input of segment s + 1); the last one is y.
         anchors = jax.tree.map(lambda a: a[:-1], ends)
         return y, _unsegment(new_consts), anchors
@@ -368,14 +369,20 @@ def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bo
         y, new_consts, anchors = forward(params, consts, x)
         # The residuals: parameters and constants (the caller holds them anyway), the output,
         # and num_segments - 1 anchors. Nothing per layer.
-        return (y, new_consts), (params, consts, y, anchors)
+        # (Under shard_map, also the input types, for 0 bytes: see _named_axes.)
+        types = _named_axes.type_witness((params, x))
+        return (y, new_consts), (params, consts, y, anchors, types)
 
     def run_bwd(res, cts):
-        params, consts, y, anchors = res
+        params, consts, y, anchors, types = res
         dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
+        dx, dparams = backward(params, consts, y, anchors, dy)
+        dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
+        return dparams, None, dx
+
+    def backward(params, consts, y, anchors, dy):
         if num_segments == 1:
-            dx, dparams = _backward_layers(block, params, consts, y, dy, unroll)
-            return dparams, None, dx
+            return _backward_layers(block, params, consts, y, dy, unroll)
 
         def segment(dy, seg):
             p, c, end = seg
@@ -384,8 +391,8 @@ def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bo
 
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
         segs = (_segments(params, num_segments), _segments(consts, num_segments), ends)
-        dx, dparams = jax.lax.scan(segment, dy, segs, reverse=True, unroll=unroll)
-        return _unsegment(dparams), None, dx
+        dx, dparams = _named_axes.scan(segment, dy, segs, reverse=True, unroll=unroll)
+        return dx, _unsegment(dparams)
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -520,7 +527,7 @@ def inverse_scan(
         p, c = layer
         return block.inverse(p, c, carry), None
 
-    x, _ = jax.lax.scan(step, stream, (params, consts), reverse=True, unroll=unroll)
+    x, _ = _named_axes.scan(step, stream, (params, consts), reverse=True, unroll=unroll)
     return _cast(x, dtypes)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, analyze
@@ -104,17 +105,19 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         outs = eval_jaxpr(jaxpr, ins)[0]
         # Residuals: the outputs (the same buffers as the primal result) and the inputs the walk
         # keeps (weights, constants, or inputs no output determines); never an intermediate.
-        return outs, (outs, [ins[p] for p in analysis.kept])
+        # (Under shard_map, also the input types, for 0 bytes: see remat_nn._named_axes.)
+        return outs, (outs, [ins[p] for p in analysis.kept], _named_axes.type_witness(list(ins)))
 
     def bwd(res, cts):
-        outs, kept = res
+        outs, kept, types = res
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
         _, in_cts, code = execute(analysis, invals, outs, list(cts), want_inputs=False)
         assert in_cts is not None  # execute returns the input cotangents when given cotangents
         stop_on_failed_check(code)
-        return tuple(c if f else None for c, f in zip(in_cts, float_in, strict=True))
+        in_cts = [c if f else None for c, f in zip(in_cts, float_in, strict=True)]
+        return tuple(_named_axes.cotangents_like(in_cts, types))
 
     # Seen by the report. (A function's type declares no attributes: this one is set here.)
     block = getattr(jaxpr.debug_info, "func_name", "?")

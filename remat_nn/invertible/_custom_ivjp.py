@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from remat_nn import _named_axes
 from remat_nn.errors import NotInvertibleError
 
 __all__ = ["custom_ivjp"]
@@ -54,10 +55,10 @@ class _IVJPBwd:
         return [x if x is not None else n for x, n in zip(xs, new_xs, strict=True)], list(dxs)
 
     def __call__(self, res, dys):
-        ys, known = res
+        ys, known, types = res
         it = iter(known)
         xs = [next(it) if k else None for k in self.known_mask]
-        return tuple(self.apply(xs, list(ys), list(dys))[1])
+        return tuple(_named_axes.cotangents_like(self.apply(xs, list(ys), list(dys))[1], types))
 
 
 class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
@@ -184,7 +185,8 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
 
         def fwd(*xs):
             ys = flat_fun(*xs)
-            return ys, (ys, [x for x, k in zip(xs, known_mask, strict=True) if k])
+            known = [x for x, k in zip(xs, known_mask, strict=True) if k]
+            return ys, (ys, known, _named_axes.type_witness(list(xs)))
 
         run = jax.custom_vjp(flat_fun)
         run.defvjp(fwd, _IVJPBwd(self, rule, in_tree, known_mask, store))

@@ -18,6 +18,7 @@ import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 from jax import lax
 
+from remat_nn import _named_axes
 from remat_nn._jax_internals import (
     core,
     custom_jvp_call_p,
@@ -257,7 +258,7 @@ class ScanRule:
 
         init = (list(outs[:num_carry]), ct_carry, ct_consts, code0)
         per_iter = (ys, ct_ys, [x if k else None for x, k in zip(xs, xs_known, strict=True)])
-        (carry0, ct_c0, ct_k, code), (x_rec, ct_x) = lax.scan(
+        (carry0, ct_c0, ct_k, code), (x_rec, ct_x) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )
         new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]

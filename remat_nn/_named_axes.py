@@ -1,0 +1,121 @@
+"""The types hand-written VJPs and loop carries must give their values under ``jax.shard_map``.
+
+Inside ``shard_map`` a value's type says over which manual mesh axes it varies (a weight passed
+with ``P()`` varies over none: every device holds the same copy). JAX's own autodiff transposes
+the implicit "unvarying -> varying" broadcast into a ``psum``, so the cotangent of a replicated
+weight is the sum of every device's contribution. A ``jax.custom_vjp`` backward and a loop built
+by hand are outside those rules, so remat_nn applies the same rule here, in one place:
+
+- :func:`cotangents_like`: a cotangent varying over axes its primal does not vary over is summed
+  over exactly those axes (and one varying over fewer is cast up), read from the primal's type;
+- :func:`scan` / :func:`fori_loop`: ``lax`` loops whose initial carry is first cast to vary over
+  every axis the body's output carry varies over (JAX requires equal carry types).
+
+Outside ``shard_map`` (no manual axes) every function here returns its input unchanged and traces
+nothing. ``jax.vmap`` with an ``axis_name`` needs none of this: vmap's rule for ``custom_vjp``
+already sums the cotangents of unbatched inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from remat_nn._jax_internals import core
+
+__all__ = ["cotangents_like", "fori_loop", "manual_axes", "scan", "type_witness", "varying"]
+
+PyTree = Any
+
+
+def manual_axes() -> frozenset[str]:
+    """The mesh axes the current trace is manual over (``shard_map``'s), empty outside it."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def varying(x: Any) -> frozenset[str]:
+    """The manual axes ``x`` (an array, tracer or ``ShapeDtypeStruct``) varies over."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else core.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _vary(x: Any, axes: frozenset[str]) -> Any:
+    missing = tuple(sorted(axes - varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def type_witness(tree: PyTree) -> PyTree:
+    """Zero-size arrays with the manual-axis types of ``tree``'s leaves (``None`` outside
+    ``shard_map``): a residual that lets a backward read its primal inputs' types for 0 bytes."""
+    if not manual_axes():
+        return None
+    return jax.tree.map(lambda a: _vary(jnp.zeros((0,), jnp.result_type(a)), varying(a)), tree)
+
+
+def _is_zero_ct(ct: Any) -> bool:
+    return ct is None or jnp.result_type(ct) == jax.dtypes.float0
+
+
+def cotangents_like(cts: PyTree, primals: PyTree) -> PyTree:
+    """``cts`` with each leaf summed over the manual axes it varies over and its primal does not
+    (the primal was replicated there, so its cotangent is every device's contribution), and cast
+    to vary over those the primal varies over and it does not.
+
+    ``primals`` are the primal inputs or their :func:`type_witness`; ``None`` cotangents (and
+    float0 ones) pass through. The identity outside ``shard_map``.
+    """
+    if primals is None or not manual_axes():
+        return cts
+
+    def like(ct: Any, primal: Any) -> Any:
+        if _is_zero_ct(ct):
+            return ct
+        extra = tuple(sorted(varying(ct) - varying(primal)))
+        if extra:
+            ct = jax.lax.psum(ct, extra)
+        return _vary(ct, varying(primal))
+
+    # A None cotangent stands for a whole subtree of zeros: map over the cotangents' structure.
+    return jax.tree.map(like, cts, primals, is_leaf=lambda c: c is None)
+
+
+def _stable_carry(step: Callable[[PyTree], PyTree], carry: PyTree) -> PyTree:
+    """``carry`` cast until ``step`` (carry -> new carry) returns a carry of the same types."""
+    if not manual_axes():
+        return carry
+    while True:
+        out = jax.eval_shape(step, carry)
+        new = jax.tree.map(lambda c, o: _vary(c, varying(o) | varying(c)), carry, out)
+        if all(
+            varying(a) == varying(b)
+            for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(carry), strict=True)
+        ):
+            return carry
+        carry = new
+
+
+def scan(
+    f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    init: PyTree,
+    xs: PyTree = None,
+    length: int | None = None,
+    **kwargs: Any,
+) -> tuple[PyTree, PyTree]:
+    """``jax.lax.scan`` whose initial carry varies over every manual axis its body's carry does."""
+    leaves = jax.tree.leaves(xs)
+    if manual_axes() and (not leaves or leaves[0].shape[0]):
+        x0 = jax.tree.map(lambda a: a[0], xs)
+        init = _stable_carry(lambda c: f(c, x0)[0], init)
+    return jax.lax.scan(f, init, xs, length=length, **kwargs)
+
+
+def fori_loop(
+    lower: int, upper: int, body: Callable[[Any, PyTree], PyTree], init: PyTree, **kwargs: Any
+) -> PyTree:
+    """``jax.lax.fori_loop`` whose initial carry varies over every manual axis its body's does."""
+    init = _stable_carry(lambda c: body(jnp.int32(lower), c), init)
+    return jax.lax.fori_loop(lower, upper, body, init, **kwargs)
