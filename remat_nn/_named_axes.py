@@ -12,8 +12,11 @@ by hand are outside those rules, so remat_nn applies the same rule here, in one 
   every axis the body's output carry varies over (JAX requires equal carry types).
 
 Outside ``shard_map`` (no manual axes) every function here returns its input unchanged and traces
-nothing. ``jax.vmap`` with an ``axis_name`` needs none of this: vmap's rule for ``custom_vjp``
-already sums the cotangents of unbatched inputs.
+nothing. Under ``jax.vmap(..., axis_name=...)`` vmap's rule for ``custom_vjp`` already sums the
+cotangents of unbatched inputs, but when ``jax.grad`` is taken outside the ``vmap`` the backward
+is traced after the axis name went out of scope, so a collective in it (a BatchNorm's
+``pmean`` recomputed by a reversible backward) would find no such axis: :class:`BoundAxes`
+records the names bound around the forward and binds them again around the backward.
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ import jax.numpy as jnp
 
 from remat_nn._jax_internals import core
 
-__all__ = ["cotangents_like", "fori_loop", "manual_axes", "scan", "type_witness", "varying"]
+__all__ = [
+    "BoundAxes",
+    "cotangents_like",
+    "fori_loop",
+    "manual_axes",
+    "scan",
+    "stable_carry",
+    "type_witness",
+    "varying",
+]
 
 PyTree = Any
 
@@ -56,6 +68,25 @@ def type_witness(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a: _vary(jnp.zeros((0,), jnp.result_type(a)), varying(a)), tree)
 
 
+class BoundAxes:
+    """The axis names (and sizes) bound where a ``custom_vjp``'s forward was traced; ``with
+    bound.rebound():`` binds those the backward's trace lacks.
+
+    One per ``custom_vjp`` function object: call :meth:`capture` in its ``fwd``.
+    """
+
+    def __init__(self) -> None:
+        self.sizes: dict[Any, int] = {}
+
+    def capture(self) -> None:
+        self.sizes.update(core.get_axis_env().axis_sizes)
+
+    def rebound(self) -> Any:
+        env = core.get_axis_env()
+        missing = [(n, s) for n, s in self.sizes.items() if not env.axis_exists(n)]
+        return core.extend_axis_env_nd(missing)
+
+
 def _is_zero_ct(ct: Any) -> bool:
     return ct is None or jnp.result_type(ct) == jax.dtypes.float0
 
@@ -83,7 +114,7 @@ def cotangents_like(cts: PyTree, primals: PyTree) -> PyTree:
     return jax.tree.map(like, cts, primals, is_leaf=lambda c: c is None)
 
 
-def _stable_carry(step: Callable[[PyTree], PyTree], carry: PyTree) -> PyTree:
+def stable_carry(step: Callable[[PyTree], PyTree], carry: PyTree) -> PyTree:
     """``carry`` cast until ``step`` (carry -> new carry) returns a carry of the same types."""
     if not manual_axes():
         return carry
@@ -109,7 +140,7 @@ def scan(
     leaves = jax.tree.leaves(xs)
     if manual_axes() and (not leaves or leaves[0].shape[0]):
         x0 = jax.tree.map(lambda a: a[0], xs)
-        init = _stable_carry(lambda c: f(c, x0)[0], init)
+        init = stable_carry(lambda c: f(c, x0)[0], init)
     return jax.lax.scan(f, init, xs, length=length, **kwargs)
 
 
@@ -117,5 +148,5 @@ def fori_loop(
     lower: int, upper: int, body: Callable[[Any, PyTree], PyTree], init: PyTree, **kwargs: Any
 ) -> PyTree:
     """``jax.lax.fori_loop`` whose initial carry varies over every manual axis its body's does."""
-    init = _stable_carry(lambda c: body(jnp.int32(lower), c), init)
+    init = stable_carry(lambda c: body(jnp.int32(lower), c), init)
     return jax.lax.fori_loop(lower, upper, body, init, **kwargs)

@@ -272,7 +272,9 @@ class _Schedule:
         unroll: Any,
     ) -> None:
         self.fn, self.n, self.lengths, self.reverse, self.unroll = fn, n, lengths, reverse, unroll
-        self._vjp: Callable[..., Any] | None = None  # step_vjp's traced function
+        # step_vjp's traced function, per manual-axis types of its arguments (under shard_map a
+        # loop's carry is traced once less varying, to find the types it settles on).
+        self._vjp: dict[Any, Callable[..., Any]] = {}
         self.kept = frozenset([0, *(d for d in range(1, len(lengths)) if actions[d - 1] == "save")])
 
     def size(self, depth: int) -> int:
@@ -340,7 +342,9 @@ class _Schedule:
         pd = _Diff(primals)
         flat = pd.split(primals)
         rest = [leaf for leaf, m in zip(pd.leaves, pd.mask, strict=True) if not m]
-        if self._vjp is None:
+        args = (*flat, *rest, *ct_carry, *ct_y)
+        key = tuple(_named_axes.varying(a) for a in args)
+        if key not in self._vjp:
 
             def vjp(args: list[Any], rest: list[Any], cts: list[Any]) -> Any:
                 out, pullback = jax.vjp(lambda *d: self.fn(*pd.merge(list(d), rest)), *args)
@@ -348,8 +352,8 @@ class _Schedule:
 
             closed = jax.make_jaxpr(vjp)(flat, rest, [*ct_carry, *ct_y])
             jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, True, instantiate=True)
-            self._vjp = core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, closed.consts))
-        grads = self._vjp(*flat, *rest, *ct_carry, *ct_y)
+            self._vjp[key] = core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, closed.consts))
+        grads = self._vjp[key](*args)
         nk, nc = len(_Diff(consts).split(consts)), len(_Diff(carry).split(carry))
         return list(grads[:nk]), list(grads[nk : nk + nc]), list(grads[nk + nc :])
 
@@ -453,6 +457,8 @@ def _nested(
 ) -> tuple[PyTree, PyTree]:
     init = jax.tree.map(jnp.asarray, init)
     x0 = _at(xs, 0)  # one step's x, to trace the body (dead code once traced)
+    # The body is traced once, so with the carry types it settles on (under shard_map).
+    init = _named_axes.stable_carry(lambda c: body(c, x0)[0], init)
     fn, consts, (carry_out, y0) = _closure_converted(body, init, x0)
     want = jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(lambda: init))
     got = jax.tree.map(lambda a: (a.shape, a.dtype), carry_out)
@@ -470,7 +476,10 @@ def _nested(
         carry, bufs = sched.forward(consts, init, xs, {"ys": _stack_zeros(n, y0)})
         return carry, bufs["ys"]
 
+    axes = _named_axes.BoundAxes()
+
     def run_fwd(consts: list[Any], init: PyTree, xs: PyTree) -> tuple[Any, Any]:
+        axes.capture()
         bufs: dict[Any, Any] = {"ys": _stack_zeros(n, y0)}
         for d in sched.kept:  # (ceil(n / S(d+1)), *carry) per kept depth
             bufs[f"c{d}"] = _stack_zeros(-(-n // sched.size(d + 1)), init)
@@ -481,11 +490,14 @@ def _nested(
 
     def run_bwd(res: Any, cts: Any) -> tuple[Any, Any, Any]:
         consts, xs, kept, types = res
-        sched._vjp = None  # traced anew in each trace of the backward pass
+        sched._vjp = {}  # traced anew in each trace of the backward pass
         ct_carry, ct_ys = cts
         kd, yd = _Diff(consts), _Diff(y0)
         state = (cd.split(ct_carry), xd.zeros(), kd.zeros())
-        ct_c, ct_xs, ct_k = sched.backward(consts, xs, kept, None, state, yd.split(ct_ys), cd, kd)
+        with axes.rebound():  # the body's collectives under vmap (see _named_axes)
+            ct_c, ct_xs, ct_k = sched.backward(
+                consts, xs, kept, None, state, yd.split(ct_ys), cd, kd
+            )
         out = kd.full_ct(ct_k), cd.full_ct(ct_c), xd.full_ct(ct_xs)
         return _named_axes.cotangents_like(out, types and (*types, xs))
 

@@ -280,7 +280,8 @@ def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll: int 
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
     carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype))
-    (_, dx, _), dparams = _named_axes.scan(step, carry, (params, consts), reverse=True, unroll=unroll)
+    layers = (params, consts)
+    (_, dx, _), dparams = _named_axes.scan(step, carry, layers, reverse=True, unroll=unroll)
     return dx, dparams
 
 
@@ -360,12 +361,15 @@ def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bo
         anchors = jax.tree.map(lambda a: a[:-1], ends)
         return y, _unsegment(new_consts), anchors
 
+    axes = _named_axes.BoundAxes()
+
     @jax.custom_vjp
     def run(params, consts, x):
         y, new_consts, _ = forward(params, consts, x)
         return y, new_consts
 
     def run_fwd(params, consts, x):
+        axes.capture()
         y, new_consts, anchors = forward(params, consts, x)
         # The residuals: parameters and constants (the caller holds them anyway), the output,
         # and num_segments - 1 anchors. Nothing per layer.
@@ -376,7 +380,8 @@ def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bo
     def run_bwd(res, cts):
         params, consts, y, anchors, types = res
         dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
-        dx, dparams = backward(params, consts, y, anchors, dy)
+        with axes.rebound():  # a block's collectives (BatchNorm's pmean) under vmap
+            dx, dparams = backward(params, consts, y, anchors, dy)
         dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
         return dparams, None, dx
 

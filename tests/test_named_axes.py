@@ -25,7 +25,6 @@ from typing import Any
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -53,6 +52,9 @@ class Case:
     x: Any
     stats: Any = None
     axis: bool = False  # BatchNorm(axis_name="data"): runs only where the axis is bound
+    # Models: each leaf's scale floored at 1% of the largest (rn.relative_error's floor): a leaf
+    # whose exact gradient is 0 (a bias under BatchNorm, the attention key bias) holds round-off.
+    floor: float = 0.0
 
 
 def _normal(key: int, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
@@ -170,7 +172,7 @@ def _nnx_reversible() -> Case:
 
     def run(gd: Any) -> Callable[..., Any]:
         def f(params: Any, stats: Any, x: jax.Array) -> tuple[jax.Array, Any]:
-            model = nnx.merge(gd, params, stats)
+            model = nnx.merge(gd, params, stats, copy=True)
             out = model(x)
             return jnp.sum(jnp.sin(out) + out**2), nnx.state(model, nnx.BatchStat)
 
@@ -224,7 +226,8 @@ def _revnet() -> Case:
     x = _normal(2, (B, 8, 8, 3))
     v = random_variables(jax.eval_shape(rev.init, jax.random.key(0), x))
     run = _linen(rev, x, train=True)
-    return Case(run(rev), run(rev.clone(reversible=False)), v["params"], x, v["batch_stats"])
+    plain = rev.clone(reversible=False)
+    return Case(run(rev), run(plain), v["params"], x, v["batch_stats"], floor=1e-2)
 
 
 def _nnx_revnet() -> Case:
@@ -234,7 +237,7 @@ def _nnx_revnet() -> Case:
     v = random_variables(jax.eval_shape(init, jax.random.key(0), x))
     run = _linen(rev, x, train=True)
     plain = models.build("nnx_revnet", width=4, depth=1, num_classes=3, reversible=False)
-    return Case(run(rev), run(plain), v["params"], x, v["batch_stats"])
+    return Case(run(rev), run(plain), v["params"], x, v["batch_stats"], floor=1e-2)
 
 
 def _transformer() -> Case:
@@ -250,7 +253,7 @@ def _transformer() -> Case:
 
         return f
 
-    return Case(run(rev), run(rev.clone(reconstruct=False)), params, tokens)
+    return Case(run(rev), run(rev.clone(reconstruct=False)), params, tokens, floor=1e-2)
 
 
 PATHS: dict[str, Callable[[], Case]] = {
@@ -339,7 +342,11 @@ def _shard_map_2d(fn: Callable[..., Any], c: Case) -> Any:
 
 
 def _vmap(fn: Callable[..., Any], c: Case) -> Any:
-    run = jax.vmap(_grads(fn, c.x), in_axes=(None, None, 0), axis_name="data")
+    def run(params: Any, stats: Any, x: Any) -> Any:
+        per_example = jax.vmap(_grads(fn, c.x), in_axes=(None, None, 0), axis_name="data")
+        grads, new = per_example(params, stats, x)
+        return grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), new)
+
     return jax.jit(run)(c.params, c.stats, _per_example(c.x))
 
 
@@ -357,7 +364,8 @@ def _grad_of_grad(fn: Callable[..., Any], c: Case) -> Any:
 
     def hvp(params: Any) -> Any:
         (dp, _), _ = _grads(fn, c.x)(params, c.stats, c.x)
-        return sum(jnp.vdot(a, t) for a, t in zip(jax.tree.leaves(dp), jax.tree.leaves(tangent)))
+        pairs = zip(jax.tree.leaves(dp), jax.tree.leaves(tangent), strict=True)
+        return sum(jnp.vdot(a, t) for a, t in pairs)
 
     return (jax.jit(jax.grad(hvp))(c.params), None), c.stats
 
@@ -402,12 +410,15 @@ def test_gradient_equals_plain_autodiff(path: str, context: str) -> None:
     run = CONTEXTS[context]
     (got, got_dx), got_stats = run(c.fn, c)
     (want, want_dx), want_stats = run(c.ref, c)
-    assert rel_err(got, want) < TOL, (path, context)
+    assert rel_err(got, want, floor=c.floor) < TOL, (path, context)
     if want_dx is not None:
-        assert rel_err(got_dx, want_dx) < TOL, (path, context)
+        assert rel_err(got_dx, want_dx, floor=c.floor) < TOL, (path, context)
     if c.stats is not None:
         # BatchNorm in training mode: the running averages move, and as plain autodiff's do.
         assert rel_err(got_stats, want_stats) < TOL, (path, context)
-        moved = jax.tree.map(lambda new, old: bool(jnp.any(new != old)), got_stats, c.stats)
+        moved = jax.tree.map(
+            lambda new, old: bool(jnp.any(new != jnp.broadcast_to(old, new.shape))),
+            got_stats,
+            c.stats,
+        )
         assert all(jax.tree.leaves(moved)), (path, context)
-

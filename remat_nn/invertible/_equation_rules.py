@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
-from jax import lax
 
 from remat_nn import _named_axes
 from remat_nn._jax_internals import (
