@@ -289,7 +289,12 @@ def _call_bwd(vjp_fn: Any, dy: jax.Array) -> Any:
 
 
 def _unit(
-    cls: type[fnn.Module], plan: rn.Plan | None, x: jax.Array, *args: Any, name: str
+    parent: fnn.Module,
+    cls: type[fnn.Module],
+    plan: rn.Plan | None,
+    x: jax.Array,
+    *args: Any,
+    name: str,
 ) -> jax.Array:
     """``cls(*args, name=name)(x)``, its activations recomputed in the backward under ``plan``.
 
@@ -299,7 +304,9 @@ def _unit(
     ``remat_nn._tie``). Same variables as ``cls`` (BatchNorm statistics updated once, by the
     forward pass); the gradient equals plain autodiff's.
     """
-    if plan is None:
+    # Initialisation has no backward pass; flax's custom_vjp would close over the init key,
+    # which jax_custom_vjp3 refuses.
+    if plan is None or parent.is_initializing():
         return cls(*args, name=name)(x)
     unit = rnn.remat(cls, policy=plan, prevent_cse=False)(*args, name=name)
     return fnn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd)(unit, x)
@@ -429,7 +436,7 @@ class ResNet(fnn.Module):
             for u in range(first if self.scan_units else n):
                 strides = 2 if s > 0 and u == 0 else 1
                 args = (width, strides, bottleneck, train, self.dtype)
-                x = _unit(ResidualUnit, self.remat, x, *args, name=f"stage{s}_{u}")
+                x = _unit(self, ResidualUnit, self.remat, x, *args, name=f"stage{s}_{u}")
                 # x: (B, H / 2^s, W / 2^s, width)
             if self.scan_units and n > first and self.scan_levels and not self.is_initializing():
                 x = self._nested_units(s, width, train, x)  # (B, H / 2^s, W / 2^s, width)
@@ -587,7 +594,7 @@ class RevNet(fnn.Module):
             if strides != 1 or x.shape[-1] != width:
                 args = (width, strides, self.arch.bottleneck, train, self.dtype)
                 # (B, H / 2^s, W / 2^s, width); activations stored, or recomputed under remat
-                x = _unit(RevDownsample, self.remat, x, *args, name=f"stage{s}_down")
+                x = _unit(self, RevDownsample, self.remat, x, *args, name=f"stage{s}_down")
                 n -= 1
             if n == 0:
                 continue

@@ -88,6 +88,20 @@ __all__ = [
 ]
 
 
+def _checkpoint_name_batch(self: Any, axis_data: Any, args: Any, dims: Any) -> Any:
+    # A name is the identity on its value: the batched value gets the same name, same batch axis.
+    del axis_data
+    (x,), (dim,) = args, dims
+    return CheckpointName(self.name, core.typeof(x))(x), dim
+
+
+# jax_remat3 stages checkpoint_name as CheckpointName, which has no vmap rule in this JAX: a name
+# under vmap (a flax layer stack initialised with nn.vmap, a vmapped loss) fails to trace. The
+# rule above gives one; a JAX that defines its own keeps it.
+if not any(k in CheckpointName.__dict__ for k in ("batch", "batch_dim_rule")):
+    CheckpointName.batch = _checkpoint_name_batch  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def remat3_on() -> bool:
     """Whether ``jax.checkpoint`` stages JAX's new remat (the ``jax_remat3`` upgrade flag)."""
     # Config options are attributes jax.config sets at run time; its type declares none.

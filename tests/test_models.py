@@ -445,3 +445,44 @@ def test_flop_counter_counts_scan_length():
     w = jnp.ones((5, 4, 4))
     f = lambda x: jax.lax.scan(lambda c, wi: (c @ wi, None), x, w)[0]
     assert summary.count_matmul_flops(f, jnp.ones((2, 4))) == 5 * 2 * 2 * 4 * 4
+
+
+# --- JAX's upgrade flags ------------------------------------------------------------------------
+
+# Small models (resnet / revnet: not here, their trace alone costs 15-20 s per flag setting).
+SMALL_MODELS = {
+    "nnx_revnet": (dict(width=4, depth=1, num_classes=3), (2, 8, 8, 1)),
+    "transformer": (TINY_LM, (2, 8)),
+    "transformer_reversible": (dict(TINY_LM, reversible=True), (2, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL_MODELS))
+def test_every_model_builds_and_trains_a_step_under_both_flag_settings(name, jax_upgrade_flags):
+    """Init and one SGD step traced (not compiled: what the flags change is what JAX stages;
+    the suite compiles these models elsewhere) under JAX's defaults and its upgrade flags.
+
+    Under jax_remat3 a checkpoint_name inside a vmap (the reversible transformer's layers are
+    initialised with nn.vmap) needs the batching rule remat_nn._jax_internals registers.
+    """
+    options, shape = SMALL_MODELS[name]
+    model = models.build(name.removesuffix("_reversible"), **options)
+    lm = name.startswith("transformer")
+    x = jnp.zeros(shape, jnp.int32 if lm else jnp.float32)
+    kw = {} if lm else {"train": False}
+    variables = jax.eval_shape(lambda key: model.init(key, x, **kw), jax.random.key(0))
+
+    def step(variables):
+        def loss(params):
+            if lm:
+                return lm_loss(model, x, train=True)(params), variables
+            v = {**variables, "params": params}
+            logits, upd = model.apply(v, x, train=True, mutable=["batch_stats"])
+            return jnp.mean(jax.nn.log_softmax(logits)[:, 0]), {**variables, **upd}
+
+        (value, new), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], grads)
+        return value, {**new, "params": params}
+
+    value, trained = jax.eval_shape(step, variables)
+    assert value.shape == () and jax.tree.structure(trained) == jax.tree.structure(variables)
