@@ -35,6 +35,8 @@ exists on GPU and TPU backends (not tested here: this machine has only a CPU).
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import re
@@ -83,6 +85,8 @@ class Buffer:
       source: ``file:line`` of the defining instruction's innermost frame, or "".
       op_name: XLA's op_name metadata (JAX's name stack).
       live: its live range ``(start, end)`` in the flattened schedule (inclusive).
+      holds: for an output allocation, the category of the value in it at the peak (a
+        backward temp XLA places in an output buffer before the output is written), else "".
     """
 
     value: str
@@ -93,6 +97,7 @@ class Buffer:
     source: str
     op_name: str
     live: tuple[int, int]
+    holds: str = ""
 
     @property
     def label(self) -> str:
@@ -216,9 +221,16 @@ class PeakReport:
         JSON's path.
         """
         png, data = Path(png), Path(png).with_suffix(".json")
+        buf = io.BytesIO()
+        self.timeline_figure(title).savefig(buf, format="png", dpi=100)
         _atomic(data, json.dumps(self.timeline_json()).encode())
-        _atomic(png, _plot(self, title))
+        _atomic(png, buf.getvalue())
         return data
+
+    def timeline_figure(self, title: str = "") -> Any:
+        """The timeline as a matplotlib ``Figure``: live bytes over XLA's schedule, stacked by
+        category, the peak index dashed and XLA's peak dotted."""
+        return _figure(self, title)
 
 
 def _atomic(path: Path, payload: bytes) -> None:
@@ -240,18 +252,14 @@ def _atomic(path: Path, payload: bytes) -> None:
         os.close(dfd)
 
 
-def _plot(report: PeakReport, title: str) -> bytes:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _figure(report: PeakReport, title: str) -> Any:
+    from matplotlib.figure import Figure
 
     mib = 1024 * 1024
     cats = [c for c in report.timeline if any(report.timeline[c])]
     xs = range(len(report.schedule))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig = Figure(figsize=(9, 4))
+    ax = fig.subplots()
     ax.stackplot(xs, *[[v / mib for v in report.timeline[c]] for c in cats], labels=cats)
     ax.axvline(report.peak_index, color="k", linestyle="--", linewidth=1)
     ax.axhline(report.compiled.peak_bytes / mib, color="r", linestyle=":", linewidth=1)
@@ -268,10 +276,7 @@ def _plot(report: PeakReport, title: str) -> bytes:
     ax.set_title(title or "live bytes over XLA's schedule")
     ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def _rows(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -537,6 +542,8 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
     section, computation = "", ""
     metas: dict[str, _Meta] = {}
     roots: dict[str, str] = {}
+    parent: dict[str, str] = {}  # instruction -> its computation
+    loops: dict[str, str] = {}  # a while's body / condition computation -> the while
     for line in text.splitlines():
         s = line.strip()
         if s in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
@@ -557,8 +564,8 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
         elif section == "StackFrames":
             i = int(s.split(" ", 1)[0])
             loc = re.search(r"file_location_id=(\d+)", s)
-            parent = re.search(r"parent_frame_id=(\d+)", s)
-            frames[i] = (int(loc.group(1)) if loc else 0, int(parent.group(1)) if parent else 0)
+            up = re.search(r"parent_frame_id=(\d+)", s)
+            frames[i] = (int(loc.group(1)) if loc else 0, int(up.group(1)) if up else 0)
         elif section:
             continue
         elif s.endswith("{") and (h := _COMPUTATION.match(s)):
@@ -571,12 +578,28 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
             meta_text = body[1].split("}", 1)[0] if len(body) > 1 else ""
             operands = tuple(re.findall(r"%([\w.\-]+)", body[0]))
             loop = re.search(r"\bbody=%?([\w.\-]+)", rest)
+            cond = re.search(r"\bcondition=%?([\w.\-]+)", rest)
+            if loop:
+                loops[loop.group(1)] = name
+            if cond:
+                loops[cond.group(1)] = name
+            parent[name] = computation
             metas[name] = _Meta(
                 _op_name(meta_text),
                 _frames(meta_text, frames, locs, files),
                 operands,
                 loop.group(1) if loop else "",
             )
+    # A loop body's parameters, tuples and their elements carry no metadata: they are the
+    # loop's carry, so they take the loop's op_name and source line (nested loops outward).
+    for name, meta in metas.items():
+        seen, where = set(), parent.get(name, "")
+        while not meta.op_name and where in loops and where not in seen:
+            seen.add(where)
+            outer = metas[loops[where]]
+            meta = dataclasses.replace(meta, op_name=outer.op_name, frames=outer.frames)
+            where = parent.get(loops[where], "")
+        metas[name] = meta
     return metas, roots
 
 
@@ -584,8 +607,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 
 
 def _op_name(meta: str) -> str:
-    op = re.search(r'op_name="([^"]*)"', meta)
-    return op.group(1) if op else ""
+    op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', meta)
+    return re.sub(r"\\(.)", r"\1", op.group(1)) if op else ""
 
 
 def _frames(
@@ -620,7 +643,10 @@ def _source(meta: _Meta | None) -> str:
 
 
 def _short(file: str) -> str:
-    # Relative to the working directory when inside it, else the last two path components.
+    # An installed package from its import path, else relative to the working directory when
+    # inside it, else the last two path components.
+    if "site-packages" + os.sep in file:
+        return file.rsplit("site-packages" + os.sep, 1)[1]
     cwd = os.getcwd() + os.sep
     if file.startswith(cwd):
         return file[len(cwd) :]
@@ -667,7 +693,8 @@ def _name_of(
 
 
 def _role(path: str) -> str:
-    if "opt_state" in path:
+    # optax's states hold their moments as `.mu` / `.nu` (adam) or `.trace` (sgd momentum).
+    if "opt_state" in path or re.search(r"\.(mu|nu|trace|count)\b", path):
         return "optimizer state"
     if "params" in path:
         return "params"
@@ -724,7 +751,9 @@ def _explain(
     buffers: list[Buffer] = []
     for a in device:
         if a.kind == "argument":
-            v = a.values[0] if a.values else None
+            # The parameter's own value (JAX names it by its pytree path), not a donated output.
+            own = [v for v in a.values if v.start == 0 and _is_path(metas.get(v.instruction))]
+            v = own[0] if own else (a.values[0] if a.values else None)
             meta = metas.get(v.instruction) if v else None
             path = meta.op_name if meta and meta.op_name else f"parameter {a.parameter}"
             role = _role(path) + (" (donated)" if _donated(a) else "")
@@ -743,7 +772,9 @@ def _explain(
         elif a.kind == "output":
             live = [v for v in a.values if v.start <= peak <= v.end]
             v = live[0] if live else max(a.values, key=lambda x: x.end, default=None)
-            buffers.append(_buffer(v, a.size, "output", metas, roots, names, a.index))
+            b = _buffer(v, a.size, "output", metas, roots, names, a.index)
+            holds = category(live[0]) if live and live[0].end < end_of_program else ""
+            buffers.append(dataclasses.replace(b, holds=holds))
         elif a.kind == "temp":
             used = 0
             for v, nbytes in _union_at(a, peak):
@@ -777,6 +808,10 @@ def _explain(
         {k: tuple(v) for k, v in timeline.items()},
         tuple(host),
     )
+
+
+def _is_path(meta: _Meta | None) -> bool:
+    return meta is not None and bool(meta.op_name) and not meta.op_name.startswith("jit(")
 
 
 def _donated(a: _Allocation) -> bool:
@@ -842,4 +877,5 @@ def _buffer(
 
 
 def _strip_layout(shape: str) -> str:
-    return re.sub(r"\{[^}]*\}", "", shape)
+    # A tuple's buffer is its index table (a pointer per element): name it, not its elements.
+    return "(tuple)" if shape.startswith("(") else re.sub(r"\{[^}]*\}", "", shape)
