@@ -165,11 +165,19 @@ class PeakReport:
         """``file:line`` -> {count, bytes, shapes} ("" for arguments and fragmentation)."""
         return self._group(lambda b: b.source or "(no source line)")
 
-    def top(self, n: int = 10) -> str:
-        """The ``n`` largest buffers as a table: value, shape, bytes, category, name, source."""
+    def top(self, n: int = 10, *, temp_only: bool = False) -> str:
+        """The ``n`` largest buffers as a table: value, shape, bytes, category, name, source
+        (``temp_only``: the temp allocation's values, no arguments, outputs or fragmentation)."""
+        keep = [
+            b
+            for b in self.buffers
+            if not temp_only
+            or b.category not in ("output", FRAGMENTATION)
+            and not b.category.startswith("argument")
+        ]
         rows = [
             (b.value, b.shape, format_bytes(b.nbytes), b.category, b.name or "", b.source)
-            for b in self.buffers[:n]
+            for b in keep[:n]
         ]
         return _rows(("value", "shape", "bytes", "category", "name", "source"), rows)
 

@@ -2,6 +2,8 @@
 
 import inspect
 import json
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +170,18 @@ def test_compiled_memory_explain_and_the_timeline_files(tmp_path):
     assert len(data["schedule"]) == len(data["bytes"]["argument"])
     with pytest.raises(ValueError, match="explain_peak"):
         rn.CompiledMemory(0, 0, 0, 0).explain()
+
+
+def test_the_readme_example_runs_and_prints_its_excerpt(tmp_path, monkeypatch, capsys):
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("\n## Why is my step this big?\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    code, excerpt = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)[:2]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "example.py", "exec"), {"__name__": "example"})
+    printed = capsys.readouterr().out.splitlines()
+    for line in excerpt.splitlines():
+        assert line in printed, line
+    assert json.loads((tmp_path / "timeline.json").read_text())["peak_bytes"] == int(
+        re.search(r"\((\d+) B", excerpt).group(1)
+    )

@@ -1,8 +1,9 @@
 """``python -m train --dry-run``: what a run would train, printed before it trains.
 
 Parameters per module, which of them get weight decay, the dtypes the gradient's matmuls read
-(so ``train.compute_dtype=bfloat16`` is seen to take effect), the remat plan's saved residuals and
-XLA's compiled memory of the donated train step.
+(so ``train.compute_dtype=bfloat16`` is seen to take effect), the remat plan's saved residuals,
+XLA's compiled memory of the donated train step, the largest buffers live at its peak and the
+memory timeline (``RUN_DIR/memory_timeline.png`` and ``.json``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def dry_run_report(exp: Experiment) -> None:
         exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs
     )
     say(str(compiled))
+    peak = compiled.explain()
+    say(f"largest buffers at XLA's peak (rn.explain_peak, {peak.difference:+d} B from the peak):")
+    say(peak.top(10))
+    if exp.is_main:
+        data = peak.save_timeline(exp.run_dir / "memory_timeline.png", title=str(exp.run_dir))
+        say(f"memory timeline: {data.with_suffix('.png')} (data: {data.name})")
 
 
 def _abstract(tree: Any) -> Any:
