@@ -1,5 +1,6 @@
 """rn.explain_peak: the buffers live at XLA's peak, against XLA's own memory analysis."""
 
+import functools
 import inspect
 import json
 import re
@@ -185,3 +186,19 @@ def test_the_readme_example_runs_and_prints_its_excerpt(tmp_path, monkeypatch, c
     assert json.loads((tmp_path / "timeline.json").read_text())["peak_bytes"] == int(
         re.search(r"\((\d+) B", excerpt).group(1)
     )
+
+
+def test_the_planner_report_shows_the_chosen_plans_peak():
+    from remat_nn import _demo
+
+    params = _demo.init(jax.random.key(0), depth=4, width=32, hidden=128)
+    args = (params, jnp.ones((16, 32)))
+    rates = {"flops_per_second": 1e10, "memory_bandwidth": 1e10}
+    report = rn.plan_for_budget(_demo.loss, *args, budget=0.6, measure=False, **rates)
+    grad = jax.grad(functools.partial(_demo.loss, policy=report.plan))
+    peak = report.peak()
+    compiled = rn.compiled_memory(grad, *args)
+    assert peak.compiled.temp_size_in_bytes == report.compiled_temp_bytes
+    assert peak.peak_bytes == compiled.peak_bytes and peak.difference == 0
+    assert "largest temp buffers at the chosen plan's peak" in str(report)
+    assert peak.top(8, temp_only=True) in str(report)
