@@ -726,8 +726,9 @@ def _explain(
             v.start, v.end = ranges.get(v.key, (0, end_of_program))
     ops = [(metas.get(ins) or _NO_META).op_name for ins in schedule]
     has_backward = any("transpose(" in op for op in ops)
-    # The forward pass ends at its last instruction; a forward value live after it is kept for
-    # the backward pass (backward values can be scheduled early, e.g. zero-initialised sums).
+    # The forward pass ends at its last instruction; a value made before that and live after it
+    # is kept for the backward pass (backward values can be scheduled early, e.g. zero-initialised
+    # sums; copies XLA inserts carry no op_name and are made when needed).
     forward = [i for i, op in enumerate(ops) if "jvp(" in op and "transpose(" not in op]
     last_forward = forward[-1] if forward and has_backward else None
 
@@ -735,7 +736,7 @@ def _explain(
         op = (metas.get(v.instruction) or _NO_META).op_name
         if "transpose(" in op:
             return "recomputed" if "rematted_computation" in op else "gradient"
-        if last_forward is not None and v.end > last_forward:
+        if last_forward is not None and v.start <= last_forward < v.end:
             return "saved residual"
         return "transient"
 

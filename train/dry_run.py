@@ -67,11 +67,9 @@ def dry_run_report(exp: Experiment) -> None:
     say("memory report (residuals saved for the backward pass):")
     say(str(rn.memory_report(loss_of_params, state.params)))
     say("XLA compiled memory of the train step (per device, state donated):")
-    compiled = rn.compiled_memory(
-        exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs
-    )
-    say(str(compiled))
-    peak = compiled.explain()
+    # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
+    peak = rn.explain_peak(exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs)
+    say(str(peak.compiled))
     say(f"largest buffers at XLA's peak (rn.explain_peak, {peak.difference:+d} B from the peak):")
     say(peak.top(10))
     if exp.is_main:
