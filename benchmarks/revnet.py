@@ -148,6 +148,103 @@ def _by_module(name: str, quick: bool, batch: int, image: int) -> dict[str, int]
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
+def unroll_peak_lines(name: str, quick: bool, batch: int, image: int) -> list[str]:
+    """The buffers at XLA's peak of ``name``'s grad step with its reversible stacks unrolled
+    and rolled (``rn.explain_peak``): temp by category, and the saved residuals only one keeps."""
+    peaks = {}
+    for label, unroll in (("unrolled", None), ("rolled", 1)):
+        module = _module(name, quick).copy(unroll=unroll)
+        model = wl.classifier(name, batch=batch, image_size=image, module=module, materialize=False)
+        peaks[label] = rn.explain_peak(model.grad_step, *model.args)
+    cats = {k: {c: g["bytes"] for c, g in r.by_category().items()} for k, r in peaks.items()}
+    temp_cats = ("saved residual", "recomputed", "gradient", "transient", "fragmentation")
+    saved = {k: [b for b in r.buffers if b.category == "saved residual"] for k, r in peaks.items()}
+    only = _unmatched(saved["unrolled"], saved["rolled"])
+    params = cats["unrolled"].get("argument: params", 0)
+    extra = sum(b.nbytes for b in only["unrolled"]) - sum(b.nbytes for b in only["rolled"])
+    frag = cats["unrolled"].get("fragmentation", 0) - cats["rolled"].get("fragmentation", 0)
+    diff = (
+        peaks["unrolled"].compiled.temp_size_in_bytes - peaks["rolled"].compiled.temp_size_in_bytes
+    )
+
+    def row(b: rn.Buffer) -> str:
+        op = "/".join(b.op_name.split("/")[-3:]) or "(an XLA copy)"
+        return (
+            f"| {b.shape} | {format_bytes(b.nbytes)} | `{op}` | {b.source or '-'} | "
+            f"{b.live[0]}-{b.live[1]} |"
+        )
+
+    return [
+        f"### What the unrolled stacks keep ({name} at batch {batch}, `rn.explain_peak`)",
+        "",
+        f"The buffers live at XLA's peak of the grad step (they sum to XLA's peak to the byte: "
+        f"{', '.join(f'{k} {r.difference:+d} B' for k, r in peaks.items())}); temp by category:",
+        "",
+        "| category | unrolled | rolled | difference |",
+        "|---|--:|--:|--:|",
+        *(
+            f"| {c} | {format_bytes(cats['unrolled'].get(c, 0))} | "
+            f"{format_bytes(cats['rolled'].get(c, 0))} | "
+            f"{format_bytes(cats['unrolled'].get(c, 0) - cats['rolled'].get(c, 0))} |"
+            for c in temp_cats
+        ),
+        f"| **temp** | {format_bytes(peaks['unrolled'].compiled.temp_size_in_bytes)} | "
+        f"{format_bytes(peaks['rolled'].compiled.temp_size_in_bytes)} | {format_bytes(diff)} |",
+        "",
+        "Saved residuals (made in the forward pass, live into the backward) at one peak with no "
+        "counterpart of the same shape at the other (live range = XLA schedule indices):",
+        "",
+        "| step | shape | bytes | op (last 3 of its name stack) | source | live |",
+        "|---|---|--:|---|---|---|",
+        *(f"| {k} " + row(b) for k in ("unrolled", "rolled") for b in only[k]),
+        "",
+        _unroll_reading(diff, extra, frag, params, peaks),
+    ]
+
+
+def _unroll_reading(diff: int, extra: int, frag: int, params: int, peaks: dict) -> str:
+    where = ", ".join(
+        f"{k} at schedule index {r.peak_index} of {len(r.schedule)}" for k, r in peaks.items()
+    )
+    if not 0 < extra <= diff or extra + frag < diff * 0.9:
+        return (
+            f"The two peaks ({where}) differ in more than kept forward values here: read the "
+            "category table."
+        )
+    return (
+        f"So of the {format_bytes(diff)}, {format_bytes(extra)} is forward values only the "
+        f"unrolled step keeps into the backward and {format_bytes(frag)} is fragmentation of "
+        f"XLA's packed temp allocation ({where}); no parameter-sized copy (the parameters are "
+        f"{format_bytes(params)} in all). A coupling's reconstruction in the backward computes "
+        "its G (or F) again on the same input as the forward did; unrolled, both are in one "
+        "straight-line program, and the kept value is consistent with XLA merging the two "
+        "(common-subexpression elimination) and holding the forward's result through the "
+        "backward, which a loop body's boundary prevents."
+    )
+
+
+def _unmatched(a: list[rn.Buffer], b: list[rn.Buffer]) -> dict[str, list[rn.Buffer]]:
+    """Buffers of ``a`` and ``b`` left after pairing equal (shape, source), then equal shape and
+    scope (the name stack less the op and ``closed_call``: a loop's carry and the unrolled
+    values it stands for), then equal shapes."""
+
+    def scope(x: rn.Buffer) -> str:
+        return x.op_name.rsplit("/", 1)[0].replace("/closed_call", "")
+
+    left_a, left_b = list(a), list(b)
+    for key in (
+        lambda x: (x.shape, x.source),
+        lambda x: (x.shape, scope(x)),
+        lambda x: x.shape,
+    ):
+        for x in list(left_a):
+            match = next((y for y in left_b if key(y) == key(x)), None)
+            if match is not None:
+                left_a.remove(x)
+                left_b.remove(match)
+    return {"unrolled": left_a, "rolled": left_b}
+
+
 def _variant_temp(module, batch: int, image: int) -> int:
     model = wl.classifier(
         "variant", batch=batch, image_size=image, module=module, materialize=False
@@ -309,10 +406,9 @@ def run(quick: bool = False) -> Result:
             f"({rows[r]['temp'] / rolled_temp[r] - 1:+.0%})"
             for r, _ in pairs
         )
-        + ". Unrolled, XLA keeps per-layer slices of the stacked parameters (a parameter-sized "
-        "copy) and schedules across units with more buffers live; the reversible stacks' "
-        "activation memory stays flat in depth (tests/test_reversible.py: two stacks in series, "
-        "depth 4 and 12)"
+        + ". What the unrolled stacks keep is below (from the buffers at XLA's peak); the "
+        "reversible stacks' activation memory stays flat in depth either way "
+        "(tests/test_reversible.py: two stacks in series, depth 4 and 12)"
         + (
             f"; RevNet-38 -> RevNet-110 (same widths, 3x the reversible units) moves the "
             f"difference from {format_bytes(rows['revnet38']['temp'] - rolled_temp['revnet38'])} "
@@ -321,6 +417,9 @@ def run(quick: bool = False) -> Result:
             else "."
         ),
     ]
+
+    if not quick:  # two more compiles of the full step, with XLA's dump
+        lines += ["", *unroll_peak_lines(t_rev, quick, batch, image)]
 
     ratio = rows[res]["temp"] / rows[rev]["temp"]
     lines += [

@@ -30,6 +30,7 @@ from remat_nn._memory import (
     compiled_memory,
     memory_report,
 )
+from remat_nn._peak import Buffer, PeakReport, explain_peak
 
 # --- planning under a memory budget --------------------------------------------------------------
 from remat_nn._flops import count_flops, matmul_flops
@@ -75,6 +76,9 @@ __all__ = [
     "compare_policies",
     "compiled_memory",
     "memory_report",
+    "Buffer",
+    "PeakReport",
+    "explain_peak",
     "plan",
     "policy",
     "remat_scan",

@@ -36,6 +36,10 @@ from jax._src.ad_checkpoint import (
     saved_residuals,
 )
 
+# enable_compilation_cache: the config option as a context manager (jax.config.update is global);
+# explain_peak compiles once with the persistent cache off, whose key ignores xla_dump_to.
+from jax._src.config import enable_compilation_cache
+
 # call_hi_primitive and CustomVJPTraced: what jax_remat3 / jax_custom_vjp3 stage; not public.
 from jax._src.hijax import CustomVJPTraced, call_hi_primitive_p
 
@@ -72,6 +76,7 @@ __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_bwd",
     "custom_vjp_call_p",
+    "enable_compilation_cache",
     "hi_kind",
     "jit_p",
     "name_p",

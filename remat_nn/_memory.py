@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -332,6 +333,16 @@ class CompiledMemory:
             - self.host_alias_size_in_bytes
         )
 
+    def explain(self) -> Any:
+        """The buffers live at this program's peak: ``rn.explain_peak`` on the same function
+        and arguments (compiled again, with XLA's dump). Returns a ``rn.PeakReport``."""
+        if "explain" not in self.extra:
+            raise ValueError(
+                "CompiledMemory.explain: this result was not made by rn.compiled_memory, so it "
+                "does not know its function. Fix: call rn.explain_peak(fn, *args) directly."
+            )
+        return self.extra["explain"]()
+
     def __str__(self) -> str:
         rows = [
             ("temp", self.temp_size_in_bytes),
@@ -375,7 +386,12 @@ def compiled_memory(
         )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
-    return _from_stats(m, float((cost or {}).get("flops", float("nan"))))
+    out = _from_stats(m, float((cost or {}).get("flops", float("nan"))))
+    from remat_nn._peak import explain_later
+
+    return dataclasses.replace(
+        out, extra={**out.extra, "explain": explain_later(fn, args, kwargs, jit_kwargs)}
+    )
 
 
 def _from_stats(m: Any, flops: float) -> CompiledMemory:

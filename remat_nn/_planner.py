@@ -45,7 +45,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from remat_nn._flops import jaxpr_flops
 from remat_nn._jax_internals import core
 from remat_nn._memory import format_bytes, memory_report
+from remat_nn._peak import PeakReport, explain_later
 from remat_nn._plan import Plan, names_in_jaxpr
 from remat_nn._timing import timing_rounds
 from remat_nn.errors import PlanError
@@ -402,6 +403,12 @@ class PlanReport:
     notes: tuple[str, ...] = ()
     compiled_host_temp_bytes: int = 0
     variant: str | None = None
+    explain_peak: Callable[[], PeakReport] | None = field(default=None, compare=False, repr=False)
+
+    def peak(self) -> PeakReport | None:
+        """The buffers live at XLA's peak of the chosen plan's gradient (``rn.explain_peak``;
+        compiled once more, with XLA's dump, at the first call)."""
+        return self.explain_peak() if self.explain_peak is not None else None
 
     @property
     def prediction_error(self) -> float:
@@ -453,6 +460,13 @@ class PlanReport:
             )
         lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
         lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
+        if (peak := self.peak()) is not None:
+            lines += [
+                "",
+                f"largest temp buffers at the chosen plan's peak (rn.explain_peak; peak "
+                f"{format_bytes(peak.peak_bytes)}, schedule index {peak.peak_index}):",
+                peak.top(8, temp_only=True),
+            ]
         return "\n".join(lines)
 
 
@@ -821,6 +835,7 @@ def plan_for_budget(
                 f"no plan of fn fits: variant {label!r} chosen (fastest modeled that fits).",
             ),
             variant=label,
+            explain_peak=_explainer(*(variants or {})[label], the_plan),
         )
     if not fits:
         least = min(temps[p] for p in compiled if allowed(p))
@@ -857,4 +872,11 @@ def plan_for_budget(
         tried=tried,
         measured=bool(timed),
         notes=tuple(notes),
+        explain_peak=_explainer(fn, args, chosen),
     )
+
+
+def _explainer(fn: Callable[..., Any], args: Sequence[Any], chosen: Plan) -> Callable[[], Any]:
+    # The gradient _compile compiles, explained once, on first use (arrays held as shapes).
+    grad = jax.grad(functools.partial(fn, policy=chosen))
+    return functools.cache(explain_later(grad, args, {}, None))

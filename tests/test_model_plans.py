@@ -10,6 +10,7 @@ trainer takes ``remat:`` for a ResNet config and its dry run shows the effect.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
@@ -306,6 +307,11 @@ def test_the_trainer_dry_run_shows_the_resnet_plan_and_its_memory(tmp_path):
     # Measured: none 57.73 MiB, full 14.47 MiB, full with scan_units 14.46 MiB.
     text, stored = _dry_run(tmp_path / "none", "remat=none")
     assert "remat plan: none" in text
+    # The buffers at the step's peak, summing to XLA's peak, and the timeline beside the run.
+    assert "largest buffers at XLA's peak (rn.explain_peak, +0 B from the peak)" in text
+    timeline = json.loads((tmp_path / "none" / "memory_timeline.json").read_text())
+    assert timeline["peak_bytes"] == timeline["xla_peak_bytes"]
+    assert (tmp_path / "none" / "memory_timeline.png").stat().st_size > 0
     text, full = _dry_run(tmp_path / "full", "remat=full")
     assert "remat plan: full" in text
     assert full < 0.5 * stored, (full, stored)

@@ -1,8 +1,9 @@
 """``python -m train --dry-run``: what a run would train, printed before it trains.
 
 Parameters per module, which of them get weight decay, the dtypes the gradient's matmuls read
-(so ``train.compute_dtype=bfloat16`` is seen to take effect), the remat plan's saved residuals and
-XLA's compiled memory of the donated train step.
+(so ``train.compute_dtype=bfloat16`` is seen to take effect), the remat plan's saved residuals,
+XLA's compiled memory of the donated train step, the largest buffers live at its peak and the
+memory timeline (``RUN_DIR/memory_timeline.png`` and ``.json``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ def dry_run_report(exp: Experiment) -> None:
     say("memory report (residuals saved for the backward pass):")
     say(str(rn.memory_report(loss_of_params, state.params)))
     say("XLA compiled memory of the train step (per device, state donated):")
-    compiled = rn.compiled_memory(
-        exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs
-    )
-    say(str(compiled))
+    # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
+    peak = rn.explain_peak(exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs)
+    say(str(peak.compiled))
+    say(f"largest buffers at XLA's peak (rn.explain_peak, {peak.difference:+d} B from the peak):")
+    say(peak.top(10))
+    if exp.is_main:
+        data = peak.save_timeline(exp.run_dir / "memory_timeline.png", title=str(exp.run_dir))
+        say(f"memory timeline: {data.with_suffix('.png')} (data: {data.name})")
 
 
 def _abstract(tree: Any) -> Any:

@@ -1,0 +1,890 @@
+"""What is live at XLA's peak: the buffers of a compiled program, by category, name and source line.
+
+:func:`explain_peak` compiles a function as :func:`remat_nn.compiled_memory` does, with XLA's
+debug dump switched on for that one compile (``compiler_options={"xla_dump_to": ...}``), and
+reads three of XLA's own files: the buffer assignment (every HLO value, the allocation it is
+placed in, its offset and size), the live ranges over the flattened instruction schedule, and
+the optimized HLO (each instruction's ``op_name`` and source stack frames).
+
+What is exact and what is attribution:
+
+- exact (XLA's numbers): each buffer's bytes, shape, allocation and offset, and its live range
+  over XLA's schedule; the peak moment is the schedule index where the bytes occupied in the
+  temporary allocation (the union of the live values' slices) are largest. The report's
+  ``peak_bytes`` is every argument and output allocation (reserved for the whole program, as
+  XLA counts them), the temp values live at that moment and the rest of the temp allocation
+  (``fragmentation``: bytes of the packed heap no value occupies then); it equals
+  temp + argument + output - alias of XLA's memory analysis to the byte, and
+  ``PeakReport.difference`` says so (the tests check it; a nonzero one is printed).
+- attribution (heuristics on XLA's op metadata): the source line (the innermost stack frame of
+  the defining instruction: the loop's line for a ``lax.scan`` / ``while`` carry), the category
+  (``transpose(`` in the op_name: backward; ``rematted_computation``: recomputed; a forward
+  value live into the backward: saved residual), the ``checkpoint_name`` (a name equation of the
+  traced function on a line of the value's stack, with the same dtype and shape, or the shape of
+  one layer of a scan's stacked residual), and argument roles (``opt_state`` / ``params`` in the
+  argument's pytree path, else its top-level name).
+
+A ``lax.scan`` (an XLA ``while``) runs its body's values inside the same temporary allocation:
+the schedule is flattened (condition and body at the loop's place), so one iteration's values
+appear at their own indices, and the loop's carry (the stacked residuals included) is named by
+the loop's source line. Sharded programs are explained per device (XLA compiles one program per
+device). Host memory (an offloaded residual, memory space ``S(5)`` on GPU / TPU) is listed
+apart, not in ``peak_bytes``; XLA:CPU has one memory, so there is none here. The same dump
+exists on GPU and TPU backends (not tested here: this machine has only a CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from remat_nn._jax_internals import (
+    checkpoint_name_of,
+    enable_compilation_cache,
+    source_info_util,
+    sub_jaxprs,
+)
+from remat_nn._memory import CompiledMemory, _from_stats, format_bytes
+
+__all__ = ["Buffer", "PeakReport", "explain_peak"]
+
+FRAGMENTATION = "fragmentation"
+CATEGORIES = (
+    "argument",
+    "output",
+    "saved residual",
+    "recomputed",
+    "gradient",
+    "transient",
+    FRAGMENTATION,
+)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer counted at the peak.
+
+    Attributes:
+      value: XLA's HLO value (``instruction{shape index}``), or the allocation for an argument,
+        an output or the fragmentation row.
+      nbytes: bytes it adds to the peak (an aliased value's bytes count once).
+      shape: its HLO shape, e.g. ``f32[8,128]``.
+      category: ``argument: <role>``, ``output``, ``saved residual``, ``recomputed``,
+        ``gradient`` (any value of the backward pass), ``transient`` or ``fragmentation``.
+      name: the ``checkpoint_name``, the argument's pytree path, or None.
+      source: ``file:line`` of the defining instruction's innermost frame, or "".
+      op_name: XLA's op_name metadata (JAX's name stack).
+      live: its live range ``(start, end)`` in the flattened schedule (inclusive).
+      holds: for an output allocation, the category of the value in it at the peak (a
+        backward temp XLA places in an output buffer before the output is written), else "".
+    """
+
+    value: str
+    nbytes: int
+    shape: str
+    category: str
+    name: str | None
+    source: str
+    op_name: str
+    live: tuple[int, int]
+    holds: str = ""
+
+    @property
+    def label(self) -> str:
+        """The name, else the op (last part of op_name), else the value."""
+        if self.name:
+            return self.name
+        return f"({self.op_name.rsplit('/', 1)[-1] or self.value})"
+
+
+@dataclass(frozen=True)
+class PeakReport:
+    """The buffers live at XLA's peak and the memory timeline over XLA's schedule.
+
+    Attributes:
+      buffers: every buffer counted in ``peak_bytes``, largest first.
+      compiled: XLA's memory analysis of the same compile.
+      peak_index: the schedule index of the peak; ``schedule[peak_index]`` is its instruction.
+      schedule: the flattened instruction sequence (instruction names).
+      timeline: category -> bytes at each schedule index (arguments and outputs reserved
+        throughout, as XLA counts them; temp values by their live ranges; fragmentation only
+        at the peak is known, so it is not in the timeline).
+      host_buffers: buffers in host memory (memory space ``S(5)``), counted apart.
+    """
+
+    buffers: tuple[Buffer, ...]
+    compiled: CompiledMemory
+    peak_index: int
+    schedule: tuple[str, ...] = field(repr=False)
+    timeline: Mapping[str, tuple[int, ...]] = field(repr=False)
+    host_buffers: tuple[Buffer, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes of every buffer counted at the peak (fragmentation included)."""
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def difference(self) -> int:
+        """``peak_bytes`` minus XLA's temp + argument + output - alias (0 when they agree)."""
+        return self.peak_bytes - self.compiled.peak_bytes
+
+    @property
+    def peak_instruction(self) -> str:
+        """The instruction XLA runs at the peak."""
+        return self.schedule[self.peak_index] if self.schedule else ""
+
+    def _group(self, key: Callable[[Buffer], str]) -> dict[str, dict[str, Any]]:
+        groups: dict[str, dict[str, Any]] = {}
+        for b in self.buffers:
+            g = groups.setdefault(key(b), {"count": 0, "bytes": 0, "shapes": set()})
+            g["count"] += 1
+            g["bytes"] += b.nbytes
+            g["shapes"].add(b.shape)
+        return dict(sorted(groups.items(), key=lambda kv: -kv[1]["bytes"]))
+
+    def by_category(self) -> dict[str, dict[str, Any]]:
+        """category -> {count, bytes, shapes}, largest first."""
+        return self._group(lambda b: b.category)
+
+    def by_name(self) -> dict[str, dict[str, Any]]:
+        """name (checkpoint name or argument path; else the op) -> {count, bytes, shapes}."""
+        return self._group(lambda b: b.label)
+
+    def by_source(self) -> dict[str, dict[str, Any]]:
+        """``file:line`` -> {count, bytes, shapes} ("" for arguments and fragmentation)."""
+        return self._group(lambda b: b.source or "(no source line)")
+
+    def top(self, n: int = 10, *, temp_only: bool = False) -> str:
+        """The ``n`` largest buffers as a table: value, shape, bytes, category, name, source
+        (``temp_only``: the temp allocation's values, no arguments, outputs or fragmentation)."""
+        keep = [
+            b
+            for b in self.buffers
+            if not temp_only
+            or b.category not in ("output", FRAGMENTATION)
+            and not b.category.startswith("argument")
+        ]
+        rows = [
+            (b.value, b.shape, format_bytes(b.nbytes), b.category, b.name or "", b.source)
+            for b in keep[:n]
+        ]
+        return _rows(("value", "shape", "bytes", "category", "name", "source"), rows)
+
+    def __str__(self) -> str:
+        agree = (
+            "equals XLA's temp + argument + output - alias"
+            if self.difference == 0
+            else f"differs from XLA's temp + argument + output - alias "
+            f"({format_bytes(self.compiled.peak_bytes)}) by {self.difference} B"
+        )
+        head = (
+            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes} B, {agree}) at schedule "
+            f"index {self.peak_index} of {len(self.schedule)} ({self.peak_instruction})"
+        )
+        parts = [
+            head,
+            "",
+            _table("buffers at the peak by category", "category", self.by_category()),
+            "",
+            _table("by name", "name", self.by_name()),
+            "",
+            _table("by source", "source", self.by_source()),
+            "",
+            "largest buffers:",
+            self.top(),
+        ]
+        if self.host_buffers:
+            host = sum(b.nbytes for b in self.host_buffers)
+            parts += ["", f"host memory (not in the peak): {format_bytes(host)}"]
+        return "\n".join(parts)
+
+    def timeline_json(self) -> dict[str, Any]:
+        """The timeline as plain data: schedule, bytes per category, peak index and bytes."""
+        return {
+            "schedule": list(self.schedule),
+            "bytes": {k: list(v) for k, v in self.timeline.items()},
+            "peak_index": self.peak_index,
+            "peak_bytes": self.peak_bytes,
+            "xla_peak_bytes": self.compiled.peak_bytes,
+            "fragmentation_at_peak": sum(
+                b.nbytes for b in self.buffers if b.category == FRAGMENTATION
+            ),
+        }
+
+    def save_timeline(self, png: str | os.PathLike[str], *, title: str = "") -> Path:
+        """Writes the timeline plot to ``png`` and its data beside it (same stem, ``.json``).
+
+        Both are written to a temporary file, fsynced and renamed into place. Returns the
+        JSON's path.
+        """
+        png, data = Path(png), Path(png).with_suffix(".json")
+        buf = io.BytesIO()
+        self.timeline_figure(title).savefig(buf, format="png", dpi=100)
+        _atomic(data, json.dumps(self.timeline_json()).encode())
+        _atomic(png, buf.getvalue())
+        return data
+
+    def timeline_figure(self, title: str = "") -> Any:
+        """The timeline as a matplotlib ``Figure``: live bytes over XLA's schedule, stacked by
+        category, the peak index dashed and XLA's peak dotted."""
+        return _figure(self, title)
+
+
+def _atomic(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _figure(report: PeakReport, title: str) -> Any:
+    from matplotlib.figure import Figure
+
+    mib = 1024 * 1024
+    cats = [c for c in report.timeline if any(report.timeline[c])]
+    xs = range(len(report.schedule))
+    fig = Figure(figsize=(9, 4))
+    ax = fig.subplots()
+    ax.stackplot(xs, *[[v / mib for v in report.timeline[c]] for c in cats], labels=cats)
+    ax.axvline(report.peak_index, color="k", linestyle="--", linewidth=1)
+    ax.axhline(report.compiled.peak_bytes / mib, color="r", linestyle=":", linewidth=1)
+    ax.annotate(
+        f"peak {format_bytes(report.peak_bytes)} at {report.peak_index}"
+        f" (XLA: {format_bytes(report.compiled.peak_bytes)}, dotted)",
+        (report.peak_index, report.compiled.peak_bytes / mib),
+        xytext=(5, -12),
+        textcoords="offset points",
+        fontsize=8,
+    )
+    ax.set_xlabel("XLA schedule index (flattened: loop bodies at the loop's place)")
+    ax.set_ylabel("live MiB")
+    ax.set_title(title or "live bytes over XLA's schedule")
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _rows(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+    return "\n".join([line(head), *(line(r) for r in rows)])
+
+
+def _table(title: str, key: str, groups: Mapping[str, Mapping[str, Any]]) -> str:
+    def shapes(s: set[str]) -> str:
+        s2 = sorted(s)
+        return ", ".join(s2[:3]) + (f" +{len(s2) - 3}" if len(s2) > 3 else "")
+
+    rows = [
+        (k, shapes(g["shapes"]), str(g["count"]), format_bytes(g["bytes"]))
+        for k, g in groups.items()
+    ]
+    return f"{title}:\n" + _rows((key, "shape", "count", "bytes"), rows)
+
+
+# --- compiling with XLA's dump ----------------------------------------------------------------
+
+
+def explain_peak(
+    fn: Callable[..., Any], *args: Any, jit_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+) -> PeakReport:
+    """The buffers live at XLA's peak of ``jax.jit(fn, **jit_kwargs)(*args, **kwargs)``.
+
+    Args:
+      fn: the function to compile (e.g. ``jax.grad(loss)`` or a train step).
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``; nothing runs).
+      jit_kwargs: extra ``jax.jit`` arguments, e.g. ``{"donate_argnums": 0}``.
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      A :class:`PeakReport`: ``print`` it for the tables; ``report.peak_bytes`` equals
+      ``rn.compiled_memory(...).peak_bytes`` (``report.difference`` is 0), and
+      ``report.save_timeline("t.png")`` draws the memory timeline.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> def f(x):
+    ...   big = rn.name(jnp.sin(x), "big")
+    ...   return jnp.cos(big) * big
+    >>> r = rn.explain_peak(f, jnp.ones((256, 256)))
+    >>> r.difference, r.peak_bytes == rn.compiled_memory(f, jnp.ones((256, 256))).peak_bytes
+    (0, True)
+    """
+    jitted = jax.jit(fn, **dict(jit_kwargs or {}))
+    lowered = jitted.lower(*args, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="remat_nn_peak_") as tmp:
+        # The persistent cache drops xla_dump_to from its key: a cache hit would dump nothing.
+        with enable_compilation_cache(False):
+            compiled = lowered.compile(compiler_options={"xla_dump_to": tmp})
+        head = re.match(r"HloModule ([^,\s]+)", compiled.as_text() or "")
+        module = head.group(1) if head else "*"
+        files = _dump_files(Path(tmp), module)
+        assignment = files["buffer-assignment"].read_text()
+        live_range = files["live-range"].read_text()
+        hlo = files["hlo"].read_text()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise NotImplementedError(
+            f"explain_peak: XLA's {jax.default_backend()} backend gives no memory analysis. "
+            "Fix: explain on a cpu, gpu or tpu backend."
+        )
+    names = _checkpoint_names(fn, args, kwargs)
+    return _explain(assignment, live_range, hlo, _from_stats(stats, float("nan")), names)
+
+
+def explain_later(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    jit_kwargs: Mapping[str, Any] | None,
+) -> Callable[[], PeakReport]:
+    """``explain_peak`` of these arguments, deferred; arrays are held as their shapes only."""
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    args, kwargs = jax.tree.map(spec, (tuple(args), dict(kwargs)))
+    return lambda: explain_peak(fn, *args, jit_kwargs=jit_kwargs, **kwargs)
+
+
+def _dump_files(tmp: Path, module: str) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for kind, suffix in (
+        ("buffer-assignment", "after_optimizations-buffer-assignment.txt"),
+        ("live-range", "after_optimizations-live-range.txt"),
+        ("hlo", "after_optimizations.txt"),
+    ):
+        paths = sorted(tmp.glob(f"module_*.{module}.*{suffix}"))
+        if not paths:
+            raise RuntimeError(
+                f"explain_peak: XLA wrote no '*{suffix}' for module {module!r} into its dump "
+                f"directory (files: {sorted(p.name for p in tmp.iterdir())[:8]}). This backend "
+                "or XLA version does not dump its buffer assignment with xla_dump_to. Fix: use "
+                "rn.compiled_memory for the totals."
+            )
+        found[kind] = paths[-1]
+    return found
+
+
+# --- checkpoint names of the traced function --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Name:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    primitive: str  # what produced the named value ("" for an argument)
+
+
+def _checkpoint_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]):
+    """(file, line) -> names whose name equation is on that line (every nested jaxpr)."""
+    jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+    out: dict[tuple[str, int], list[_Name]] = {}
+
+    def walk(j: Any) -> None:
+        producers = {o: e for e in j.eqns for o in e.outvars}
+        for eqn in j.eqns:
+            if (name := checkpoint_name_of(eqn)) is not None:
+                frame = source_info_util.user_frame(eqn.source_info.traceback)
+                aval = eqn.outvars[0].aval
+                made_by = producers.get(eqn.invars[0]) if eqn.invars else None
+                prim = made_by.primitive.name if made_by is not None else ""
+                if frame is not None:
+                    key = (frame.file_name, frame.start_line)
+                    out.setdefault(key, []).append(
+                        _Name(name, str(aval.dtype), tuple(aval.shape), prim)
+                    )
+            for sub in sub_jaxprs(eqn):
+                walk(getattr(sub, "jaxpr", sub))
+
+    walk(jaxpr)
+    return out
+
+
+# --- reading XLA's dump -----------------------------------------------------------------------
+
+_ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
+_VALUE = re.compile(
+    r"^ value: <(\d+) (\S+?)(\{[\d,]*\})?( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$"
+)
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_DTYPES = {
+    "pred": "bool",
+    "s8": "int8",
+    "s16": "int16",
+    "s32": "int32",
+    "s64": "int64",
+    "u8": "uint8",
+    "u16": "uint16",
+    "u32": "uint32",
+    "u64": "uint64",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+}
+
+
+@dataclass
+class _Value:
+    key: str  # instruction{index}
+    instruction: str
+    size: int
+    offset: int
+    shape: str
+    allocation: int
+    start: int = 0
+    end: int = -1
+
+
+@dataclass
+class _Allocation:
+    index: int
+    size: int
+    kind: str  # "argument", "output", "temp", "constant", "thread-local"
+    parameter: int | None
+    color: int
+    values: list[_Value]
+
+
+def _parse_assignment(text: str) -> list[_Allocation]:
+    allocs: list[_Allocation] = []
+    for line in text.splitlines():
+        if m := _ALLOC.match(line):
+            flags = m.group(3)
+            param = re.search(r"parameter (\d+)", flags)
+            color = re.search(r"color (\d+)", flags)
+            if param:
+                kind = "argument"
+            elif "constant" in flags:
+                kind = "constant"
+            elif "thread-local" in flags:
+                kind = "thread-local"
+            elif "maybe-live-out" in flags:
+                kind = "output"
+            else:
+                kind = "temp"
+            allocs.append(
+                _Allocation(
+                    int(m.group(1)),
+                    int(m.group(2)),
+                    kind,
+                    int(param.group(1)) if param else None,
+                    int(color.group(1)) if color else 0,
+                    [],
+                )
+            )
+        elif (m := _VALUE.match(line)) and allocs:
+            a = allocs[-1]
+            instr, index = m.group(2), m.group(3) or "{}"
+            a.values.append(
+                _Value(instr + index, instr, int(m.group(5)), int(m.group(6)), m.group(7), a.index)
+            )
+        elif line.startswith("Total bytes used") or line.startswith("Used values"):
+            break
+    return allocs
+
+
+def _parse_live_range(text: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
+    schedule: list[str] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    section = ""
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("InstructionSequence"):
+            section = "seq"
+        elif s.startswith("BufferLiveRange"):
+            section = "range"
+        elif s.startswith("Live ranges at") or not line.startswith("    "):
+            section = ""
+        elif section == "seq":
+            schedule.append(s.split(":", 1)[1])
+        elif section == "range":
+            key, span = s.rsplit(":", 1)
+            a, b = span.split("-")
+            ranges[key] = (int(a), int(b))
+    return schedule, ranges
+
+
+@dataclass(frozen=True)
+class _Meta:
+    op_name: str
+    frames: tuple[tuple[str, int], ...]  # innermost first
+    operands: tuple[str, ...] = ()
+    body: str = ""  # a while loop's body computation
+
+
+_NO_META = _Meta("", ())
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
+    """Instruction name -> metadata, and computation name -> its root instruction's name."""
+    files: dict[int, str] = {}
+    locs: dict[int, tuple[int, int]] = {}
+    frames: dict[int, tuple[int, int]] = {}
+    section, computation = "", ""
+    metas: dict[str, _Meta] = {}
+    roots: dict[str, str] = {}
+    parent: dict[str, str] = {}  # instruction -> its computation
+    loops: dict[str, str] = {}  # a while's body / condition computation -> the while
+    for line in text.splitlines():
+        s = line.strip()
+        if s in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = s
+            continue
+        if not s:
+            section = ""
+            continue
+        if section == "FileNames":
+            i, name = s.split(" ", 1)
+            files[int(i)] = json.loads(name)
+        elif section == "FileLocations":
+            i = int(s.split(" ", 1)[0])
+            f = re.search(r"file_name_id=(\d+)", s)
+            ln = re.search(r"\bline=(\d+)", s)
+            if f and ln:
+                locs[i] = (int(f.group(1)), int(ln.group(1)))
+        elif section == "StackFrames":
+            i = int(s.split(" ", 1)[0])
+            loc = re.search(r"file_location_id=(\d+)", s)
+            up = re.search(r"parent_frame_id=(\d+)", s)
+            frames[i] = (int(loc.group(1)) if loc else 0, int(up.group(1)) if up else 0)
+        elif section:
+            continue
+        elif s.endswith("{") and (h := _COMPUTATION.match(s)):
+            computation = h.group(1)
+        elif m := _INSTR.match(line):
+            name, rest = m.group(1), m.group(2)
+            if s.startswith("ROOT "):
+                roots[computation] = name
+            body = rest.split("metadata={", 1)
+            meta_text = body[1].split("}", 1)[0] if len(body) > 1 else ""
+            operands = tuple(re.findall(r"%([\w.\-]+)", body[0]))
+            loop = re.search(r"\bbody=%?([\w.\-]+)", rest)
+            cond = re.search(r"\bcondition=%?([\w.\-]+)", rest)
+            if loop:
+                loops[loop.group(1)] = name
+            if cond:
+                loops[cond.group(1)] = name
+            parent[name] = computation
+            metas[name] = _Meta(
+                _op_name(meta_text),
+                _frames(meta_text, frames, locs, files),
+                operands,
+                loop.group(1) if loop else "",
+            )
+    # A loop body's parameters, tuples and their elements carry no metadata: they are the
+    # loop's carry, so they take the loop's op_name and source line (nested loops outward).
+    for name, meta in metas.items():
+        seen, where = set(), parent.get(name, "")
+        while not meta.op_name and where in loops and where not in seen:
+            seen.add(where)
+            outer = metas[loops[where]]
+            meta = dataclasses.replace(meta, op_name=outer.op_name, frames=outer.frames)
+            where = parent.get(loops[where], "")
+        metas[name] = meta
+    return metas, roots
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+
+
+def _op_name(meta: str) -> str:
+    op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', meta)
+    return re.sub(r"\\(.)", r"\1", op.group(1)) if op else ""
+
+
+def _frames(
+    meta: str,
+    frames: Mapping[int, tuple[int, int]],
+    locs: Mapping[int, tuple[int, int]],
+    files: Mapping[int, str],
+) -> tuple[tuple[str, int], ...]:
+    """(file, line) of the instruction's stack, innermost first."""
+    chain: list[tuple[str, int]] = []
+    if sf := re.search(r"stack_frame_id=(\d+)", meta):
+        fid, seen = int(sf.group(1)), set()
+        while fid in frames and fid not in seen:
+            seen.add(fid)
+            loc, parent = frames[fid]
+            if loc in locs:
+                file_id, ln = locs[loc]
+                chain.append((files.get(file_id, "?"), ln))
+            fid = parent
+    elif (f := re.search(r'source_file="([^"]*)"', meta)) and (
+        ln := re.search(r"source_line=(\d+)", meta)
+    ):
+        chain.append((f.group(1), int(ln.group(1))))
+    return tuple(chain)
+
+
+def _source(meta: _Meta | None) -> str:
+    if meta is None or not meta.frames:
+        return ""
+    file, line = meta.frames[0]
+    return f"{_short(file)}:{line}"
+
+
+def _short(file: str) -> str:
+    # An installed package from its import path, else relative to the working directory when
+    # inside it, else the last two path components.
+    if "site-packages" + os.sep in file:
+        return file.rsplit("site-packages" + os.sep, 1)[1]
+    cwd = os.getcwd() + os.sep
+    if file.startswith(cwd):
+        return file[len(cwd) :]
+    return os.sep.join(file.split(os.sep)[-2:])
+
+
+def _dims(shape: str) -> tuple[str, tuple[int, ...]] | None:
+    m = re.match(r"^(\w+)\[([\d,]*)\]", shape)
+    if not m:
+        return None
+    dims = tuple(int(d) for d in m.group(2).split(",") if d)
+    return _DTYPES.get(m.group(1), m.group(1)), dims
+
+
+def _name_of(
+    v: _Value,
+    metas: Mapping[str, _Meta],
+    roots: Mapping[str, str],
+    names: Mapping[tuple[str, int], list[_Name]],
+) -> str | None:
+    """The checkpoint name of a value: a name equation on a line of its stack with its dtype,
+    its shape (or one layer's shape) and the primitive producing the named value. A loop's
+    carry element is looked up where the loop body produces it: the body's root operand and
+    that instruction's operands."""
+    parsed = _dims(v.shape)
+    meta = metas.get(v.instruction)
+    if meta is None or parsed is None:
+        return None
+    dtype, dims = parsed
+    candidates = [meta]
+    index = re.fullmatch(r"\{(\d+)\}", v.key[len(v.instruction) :])
+    if meta.body and index and (root := metas.get(roots.get(meta.body, ""))):
+        k = int(index.group(1))
+        if k < len(root.operands) and (producer := metas.get(root.operands[k])):
+            candidates += [producer, *(metas[o] for o in producer.operands if o in metas)]
+    for m in candidates:
+        op = m.op_name.rsplit("/", 1)[-1]
+        for frame in m.frames:
+            for n in names.get(frame, ()):
+                same_op = not n.primitive or n.primitive == op
+                if same_op and n.dtype == dtype and (n.shape == dims or n.shape == dims[1:]):
+                    return n.name
+    return None
+
+
+def _role(path: str) -> str:
+    # optax's states hold their moments as `.mu` / `.nu` (adam) or `.trace` (sgd momentum).
+    if "opt_state" in path or re.search(r"\.(mu|nu|trace|count)\b", path):
+        return "optimizer state"
+    if "params" in path:
+        return "params"
+    return re.split(r"[.\[]", path, maxsplit=1)[0] or "?"
+
+
+def _explain(
+    assignment: str,
+    live_range: str,
+    hlo: str,
+    compiled: CompiledMemory,
+    names: Mapping[tuple[str, int], list[_Name]],
+) -> PeakReport:
+    allocs = _parse_assignment(assignment)
+    schedule, ranges = _parse_live_range(live_range)
+    metas, roots = _parse_hlo(hlo)
+    end_of_program = max(len(schedule) - 1, 0)
+    for a in allocs:
+        for v in a.values:
+            # A value XLA gives no live range (none expected): live for the whole program.
+            v.start, v.end = ranges.get(v.key, (0, end_of_program))
+    ops = [(metas.get(ins) or _NO_META).op_name for ins in schedule]
+    has_backward = any("transpose(" in op for op in ops)
+    # The forward pass ends at its last instruction; a value made before that and live after it
+    # is kept for the backward pass (backward values can be scheduled early, e.g. zero-initialised
+    # sums; copies XLA inserts carry no op_name and are made when needed).
+    forward = [i for i, op in enumerate(ops) if "jvp(" in op and "transpose(" not in op]
+    last_forward = forward[-1] if forward and has_backward else None
+
+    def category(v: _Value) -> str:
+        op = (metas.get(v.instruction) or _NO_META).op_name
+        if "transpose(" in op:
+            return "recomputed" if "rematted_computation" in op else "gradient"
+        if last_forward is not None and v.start <= last_forward < v.end:
+            return "saved residual"
+        return "transient"
+
+    device = [a for a in allocs if a.color == 0]
+    temps = [a for a in device if a.kind == "temp"]
+    # Bytes of the temp allocations occupied at each index, by category (union of live slices).
+    timeline = {c: [0] * len(schedule) for c in CATEGORIES if c != FRAGMENTATION}
+    for a in device:
+        if a.kind in ("argument", "output"):
+            cat = "argument" if a.kind == "argument" else "output"
+            timeline[cat] = [x + a.size for x in timeline[cat]]
+    cats = {v.key: category(v) for a in temps for v in a.values}
+    occupied = [0] * len(schedule)
+    for a in temps:
+        for t, live in enumerate(_sweep(a, len(schedule))):
+            for v, nbytes in live:
+                timeline[cats[v.key]][t] += nbytes
+                occupied[t] += nbytes
+    peak = max(range(len(schedule)), key=lambda t: (occupied[t], -t)) if schedule else 0
+
+    buffers: list[Buffer] = []
+    for a in device:
+        if a.kind == "argument":
+            # The parameter's own value (JAX names it by its pytree path), not a donated output.
+            own = [v for v in a.values if v.start == 0 and _is_path(metas.get(v.instruction))]
+            v = own[0] if own else (a.values[0] if a.values else None)
+            meta = metas.get(v.instruction) if v else None
+            path = meta.op_name if meta and meta.op_name else f"parameter {a.parameter}"
+            role = _role(path) + (" (donated)" if _donated(a) else "")
+            buffers.append(
+                Buffer(
+                    f"allocation {a.index}",
+                    a.size,
+                    _strip_layout(v.shape) if v else "",
+                    f"argument: {role}",
+                    path,
+                    "",
+                    path,
+                    (0, end_of_program),
+                )
+            )
+        elif a.kind == "output":
+            live = [v for v in a.values if v.start <= peak <= v.end]
+            v = live[0] if live else max(a.values, key=lambda x: x.end, default=None)
+            b = _buffer(v, a.size, "output", metas, roots, names, a.index)
+            holds = category(live[0]) if live and live[0].end < end_of_program else ""
+            buffers.append(dataclasses.replace(b, holds=holds))
+        elif a.kind == "temp":
+            used = 0
+            for v, nbytes in _union_at(a, peak):
+                used += nbytes
+                buffers.append(_buffer(v, nbytes, cats[v.key], metas, roots, names, a.index))
+            if a.size - used:
+                buffers.append(
+                    Buffer(
+                        f"allocation {a.index}",
+                        a.size - used,
+                        "",
+                        FRAGMENTATION,
+                        None,
+                        "",
+                        FRAGMENTATION,
+                        (peak, peak),
+                    )
+                )
+    host = [
+        _buffer(v, v.size, "host", metas, roots, names, a.index)
+        for a in allocs
+        if a.color != 0 and a.kind not in ("constant", "thread-local")
+        for v in a.values
+    ]
+    buffers.sort(key=lambda b: -b.nbytes)
+    return PeakReport(
+        tuple(buffers),
+        compiled,
+        peak,
+        tuple(schedule),
+        {k: tuple(v) for k, v in timeline.items()},
+        tuple(host),
+    )
+
+
+def _is_path(meta: _Meta | None) -> bool:
+    return meta is not None and bool(meta.op_name) and not meta.op_name.startswith("jit(")
+
+
+def _donated(a: _Allocation) -> bool:
+    # An argument allocation that also holds an output value: the donated buffer is reused.
+    return (
+        any(v.instruction != a.values[0].instruction for v in a.values[1:]) if a.values else False
+    )
+
+
+def _union(live: Sequence[_Value]) -> list[tuple[_Value, int]]:
+    """Each live value with the bytes it adds to the union of their slices (values sharing a
+    slice at a live-range boundary, aliases of one buffer, count once)."""
+    out, covered = [], 0
+    for v in sorted(live, key=lambda v: (v.offset, -v.size, v.key)):
+        lo, hi = max(v.offset, covered), v.offset + v.size
+        if hi > lo:
+            out.append((v, hi - lo))
+            covered = hi
+    return out
+
+
+def _union_at(a: _Allocation, t: int) -> list[tuple[_Value, int]]:
+    return _union([v for v in a.values if v.start <= t <= v.end])
+
+
+def _sweep(a: _Allocation, length: int):
+    """``_union_at(a, t)`` for every ``t`` in ``range(length)``, in one pass over the values."""
+    by_start = sorted(a.values, key=lambda v: v.start)
+    live: list[_Value] = []
+    i = 0
+    for t in range(length):
+        while i < len(by_start) and by_start[i].start <= t:
+            live.append(by_start[i])
+            i += 1
+        live = [v for v in live if v.end >= t]
+        yield _union(live)
+
+
+def _buffer(
+    v: _Value | None,
+    nbytes: int,
+    category: str,
+    metas: Mapping[str, _Meta],
+    roots: Mapping[str, str],
+    names: Mapping[tuple[str, int], list[_Name]],
+    allocation: int,
+) -> Buffer:
+    if v is None:
+        return Buffer(f"allocation {allocation}", nbytes, "", category, None, "", "", (0, 0))
+    meta = metas.get(v.instruction)
+    # A cotangent has its value's shape and line: only forward and recomputed values get names.
+    named = category != "gradient"
+    return Buffer(
+        v.key,
+        nbytes,
+        _strip_layout(v.shape),
+        category,
+        _name_of(v, metas, roots, names) if named else None,
+        _source(meta),
+        meta.op_name if meta else "",
+        (v.start, v.end),
+    )
+
+
+def _strip_layout(shape: str) -> str:
+    # A tuple's buffer is its index table (a pointer per element): name it, not its elements.
+    return "(tuple)" if shape.startswith("(") else re.sub(r"\{[^}]*\}", "", shape)
