@@ -124,7 +124,7 @@ def train_in_child(run_dir, *extra: str, fault: str | None = None) -> tuple[int,
 
 
 def steps(run_dir) -> list[str]:
-    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir() if p.name[0] != ".")
 
 
 def saved(run_dir, step: int) -> dict:

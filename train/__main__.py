@@ -20,9 +20,11 @@ exit codes: 0 done (or stopped by --stop-after, or already complete), 1 anything
   or an environment failure: the traceback is printed), 2 invalid config or arguments, or a
   config that does not fit the data, devices or machine, 3 non-finite loss (the message names
   the step), 4 checkpoint problem (none verifies, it does not fit the config, a save failed,
-  or the config changed since the run started), 5 the run directory is locked by another
-  process, 128+N stopped by signal N after saving a checkpoint. With several processes, all
-  exit with the same code.
+  or the config changed since the run started; never a silent start from step 0 in a run
+  directory that held a checkpoint), 5 the run directory is locked by another process, 6 the
+  storage failed while a checkpoint was read (nothing set aside: rerun when it is back), 128+N
+  stopped by signal N after saving a checkpoint. With several processes, all exit with the
+  same code.
 
 fault injection (tests): REMAT_NN_FAULT=<point>@<step>, see train/faults.py.
 
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from train.integrity import CheckpointUnavailableError
     from train.loop import (
         CheckpointError,
         ConfigChangedError,
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # or an environment failure and propagates (exit 1 with its traceback).
     codes = {
         NonFiniteError: 3,
+        CheckpointUnavailableError: 6,  # before its base class CheckpointError
         CheckpointError: 4,
         ConfigChangedError: 4,
         RunLockedError: 5,

@@ -17,14 +17,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train.errors import SetupError
-from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
+from train.integrity import (
+    CheckpointError,
+    CheckpointUnavailableError,
+    ConfigChangedError,
+    RunLockedError,
+)
 
 __all__ = ["StopSignals", "share_verdict", "sync"]
 
-# Start-up failures every process re-raises as the same class (any other: RuntimeError).
+# Start-up failures every process re-raises as the same class (any other: RuntimeError); a
+# subclass before its base.
 _SHARED_ERRORS: tuple[type[Exception], ...] = (
     RunLockedError,
     ConfigChangedError,
+    CheckpointUnavailableError,
     CheckpointError,
     SetupError,
 )
