@@ -7,9 +7,12 @@ Rerunning the same command resumes from the run directory's latest complete chec
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 
-__all__ = ["main"]
+__all__ = ["exit_process", "main"]
 
 _EPILOG = """\
 overrides:
@@ -168,5 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_process(code: int, *, grace_seconds: float = 5.0) -> None:
+    """Exits the process with ``code``, promptly even when a failed save left threads behind.
+
+    Orbax's save threads wait for a "directory created" signal that a save failing to create
+    its directory (a read-only or full file system) never sends; interpreter shutdown would wait
+    for them for orbax's coordination timeout. After an error (``code != 0``) threads still
+    running after ``grace_seconds`` are abandoned: the output is flushed and the process ends.
+    """
+    if code:
+        deadline = time.monotonic() + grace_seconds
+        others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+        # Polled, not joined: orbax's threads override join() to raise their own errors.
+        while any(t.is_alive() and not t.daemon for t in others):
+            if time.monotonic() > deadline:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            time.sleep(0.05)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())
