@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         print("error: --stop-after must be a positive number of steps", file=sys.stderr)
         return 2
+    if args.max_consecutive_skips < 1:
+        print(
+            f"error: --max-consecutive-skips={args.max_consecutive_skips}: must be a positive "
+            "number of steps (train.on_nonfinite=skip halts after that many bad steps in a row)",
+            file=sys.stderr,
+        )
+        return 2
 
     # Before any JAX computation: multi-process setup.
     from train.errors import SetupError
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(codes) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return next(code for kind, code in codes.items() if isinstance(e, kind))
-    if result.interrupted:
+    if result.interrupted and result.step < cfg.train.steps:  # a signal at the last step: done
         import signal
 
         return 128 + int(signal.Signals[result.interrupted])

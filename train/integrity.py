@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.config import is_resume_safe, resume_view
+from train.errors import SetupError
 
 __all__ = [
     "CHECKPOINTED",
@@ -60,6 +61,7 @@ __all__ = [
     "structure_problems",
     "write_json",
     "write_manifest",
+    "write_text",
 ]
 
 MANIFEST = "manifest.json"
@@ -306,11 +308,16 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any], *, process: int = 0
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Writes ``obj`` as JSON to ``path`` durably: a temporary file, fsynced, renamed into place,
-    then the directory fsynced (so the rename itself survives a power loss)."""
+    """Writes ``obj`` as JSON to ``path`` durably (:func:`write_text`)."""
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` durably: a temporary file, fsynced, renamed into place, then
+    the directory fsynced (so the rename itself survives a power loss)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -438,9 +445,15 @@ class RunLock:
     """
 
     def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / ".lock"
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SetupError(
+                f"run_dir={str(run_dir)!r} cannot be created or written ({type(e).__name__}: "
+                f"{e}). Fix: a writable directory (run_dir=...)."
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

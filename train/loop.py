@@ -174,6 +174,7 @@ def run(
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
+            _record_config(exp)
             if resume.step >= cfg.train.steps:
                 say(_already_complete(cfg, resume.step, exp.run_dir))
                 return RunResult(
@@ -340,6 +341,7 @@ def build_experiment(
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
+    data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
     batch_sh = sharding_lib.batch_sharding(mesh)
     repl = sharding_lib.replicated(mesh)
 
@@ -514,15 +516,21 @@ def _global_batch_size(cfg: Config, num_devices: int) -> int:
 
 
 def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
-    # Process 0 clears a restarted run and records the config; the others wait for it.
+    # Process 0 clears a restarted run; the others wait for it.
     if exp.is_main:
         if restart and exp.run_dir.exists():
             shutil.rmtree(exp.run_dir / "checkpoints", ignore_errors=True)
             (exp.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (exp.run_dir / "plot.png").unlink(missing_ok=True)
         exp.run_dir.mkdir(parents=True, exist_ok=True)
-        (exp.run_dir / "config.yaml").write_text(dump_config(exp.cfg))
     multihost.sync("run_dir")
+
+
+def _record_config(exp: Experiment) -> None:
+    # Once the checkpoints were accepted under this config: a refused resume leaves the config
+    # the run was trained with, so the original command still resumes.
+    if exp.is_main:
+        integrity.write_text(exp.run_dir / "config.yaml", dump_config(exp.cfg))
 
 
 # ============================== 3. restore ==============================
