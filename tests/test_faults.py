@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -540,3 +541,56 @@ def test_save_that_cannot_create_its_directory_exits_4_promptly(tmp_path):
     assert proc.returncode == 4 and "saving checkpoint step 2" in out, out
     assert "Read-only file system" in out, out
     assert time.monotonic() - started < 60, out
+
+
+# --- refused before anything is written (#31 item 6) ---------------------------------------------
+
+
+def test_refused_resume_keeps_config_yaml_so_the_original_command_still_resumes(
+    tmp_path, reference
+):
+    run_dir = copy_of(reference, tmp_path)
+    config = (run_dir / "config.yaml").read_text()
+    code, out = train(run_dir, "model.options.width=32", "--allow-config-change")
+    assert code == 4 and "does not fit this config's train state" in out, out
+    assert (run_dir / "config.yaml").read_text() == config
+    code, out = train(run_dir)
+    assert code == 0 and "run already complete" in out, out
+
+
+def test_restart_with_a_batch_larger_than_the_data_deletes_nothing(tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    code, out = train(run_dir, "data.batch_size=20000", "--restart")
+    assert code == 2 and "fewer than one global batch of 20000" in out, out
+    assert steps(run_dir) == ["4", "6", "8"] and (run_dir / "metrics.jsonl").exists()
+    assert f"model {MODEL}" not in out  # refused before the step was compiled
+
+
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        (["model.name=transformer", "data.source=text", "data.path=/nonexistent"], "/nonexistent"),
+        (["model.name=transformer", "data.source=text", f"data.path={sys.executable}"], "UTF-8"),
+        (["mesh.data=64"], "does not fit the 8 devices"),
+        (["optim.lr=.inf"], "optim.lr: Input should be a finite number"),
+        (["checkpoint.keep_best=1"], "checkpoint.keep_best: 1 needs evaluations"),
+        (["--max-consecutive-skips", "-1"], "--max-consecutive-skips=-1"),
+        (["run_dir=/dev/null/run"], "cannot be created or written"),
+    ],
+    ids=["missing-path", "not-utf8", "mesh", "lr-inf", "keep-best", "skips", "run-dir"],
+)
+def test_bad_input_exits_2_naming_it_without_a_traceback(tmp_path, extra, expect):
+    code, out = train(tmp_path / "run", *extra)
+    assert code == 2 and expect in out and "Traceback" not in out, out
+
+
+def test_bad_jax_num_processes_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    code, out = train(tmp_path / "run")
+    assert code == 2 and "JAX_NUM_PROCESSES='two'" in out, out
+
+
+def test_sigterm_at_the_last_step_is_done_and_exits_0(tmp_path, reference):
+    code, out = train_in_child(tmp_path / "run", fault="sigterm@8")
+    assert code == 0 and "done: 8 steps" in out, out
+    assert_bitwise_equal(saved(tmp_path / "run", 8), saved(reference, 8))
