@@ -228,7 +228,13 @@ def start(
             failure = e
             if lock is not None:
                 lock.release()
-    multihost.share_verdict(failure, what="start-up")
+    try:
+        multihost.share_verdict(failure, what="start-up")
+        multihost.check_same_config(integrity.config_hash(cfg.model_dump(mode="json")))
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return lock
 
 

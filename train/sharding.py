@@ -71,7 +71,8 @@ def initialize_distributed(cfg: Distributed, *, auto: bool = False) -> bool:
             return False
         _enable_cpu_collectives()
         try:
-            jax.distributed.initialize()  # JAX reads the cluster's environment
+            # JAX reads the cluster's environment.
+            jax.distributed.initialize(heartbeat_timeout_seconds=cfg.heartbeat_timeout)
         except (ValueError, RuntimeError) as e:
             raise SetupError(
                 f"distributed: automatic set-up ({cluster or 'requested by --distributed-auto'}) "
@@ -88,7 +89,12 @@ def initialize_distributed(cfg: Distributed, *, auto: bool = False) -> bool:
             "--process-id I (or JAX_COORDINATOR_ADDRESS / JAX_PROCESS_ID)."
         )
     _enable_cpu_collectives()
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num,
+        process_id=pid,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout,
+    )
     return True
 
 

@@ -339,6 +339,9 @@ class Distributed(_Section):
     coordinator_address: str | None = Field(None, description="host:port of process 0")
     num_processes: PositiveInt | None = Field(None, description="number of processes")
     process_id: NonNegativeInt | None = Field(None, description="this process's id")
+    heartbeat_timeout: PositiveInt = Field(
+        30, description="seconds after which a silent process counts as dead and the run aborts"
+    )
 
 
 class Config(_Section):
