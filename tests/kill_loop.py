@@ -9,8 +9,9 @@ new run directory starts, until ``--kills`` kills have landed. Each kill is one 
   training, an asynchronous save, its manifest or the pruning of older steps);
 - ``startup``: SIGKILL a random moment after the child compiled its step (restore, the
   metrics.jsonl rewrite, the first steps);
-- a fault point (train/faults.py) at a checkpoint step still ahead, or ``during_restore`` /
-  ``during_metrics_rewrite`` at the step the next start resumes from.
+- every other start, a fault point (train/faults.py) in turn: a save point at a checkpoint step
+  still ahead, ``during_restore`` / ``during_metrics_rewrite`` at the step it resumes from
+  (a save point instead when there is nothing to resume yet).
 
 After each run finishes, its last checkpoint must be bitwise equal to the uninterrupted run's,
 its metrics.jsonl equal line by line (timing fields aside), and the steps kept the same.
@@ -91,21 +92,29 @@ def resumable_step(run_dir: Path) -> int:
     return max(done, default=0)
 
 
-def one_attempt(run_dir: Path, rng: random.Random) -> tuple[str, int, str]:
-    """Starts the run once, kills it one way; returns (kind, exit code, output)."""
+FAULTS = (*KILL_POINTS, "during_metrics_rewrite")
+
+
+def one_attempt(run_dir: Path, rng: random.Random, n: int) -> tuple[str, int, str]:
+    """Starts the run once (the ``n``-th start) and kills it one way: (kind, exit code, output).
+
+    Every other start is killed at a fault point, each point in turn; the others are killed
+    from outside at a random moment.
+    """
     resume = resumable_step(run_dir)
-    kind = rng.choice(["timed", "timed", "startup", "fault"])
     out: list[str] = []
-    if kind == "fault":
-        ahead = [s for s in range(EVERY, STEPS + 1, EVERY) if s > resume]
-        point = rng.choice(list(KILL_POINTS[:-1]) + ["during_restore", "during_metrics_rewrite"])
-        at = resume if point in ("during_restore", "during_metrics_rewrite") and resume else None
-        if at is None:
-            point = rng.choice(KILL_POINTS[:-1])
-            at = rng.choice(ahead)
+    if n % 2:
+        point = FAULTS[(n // 2) % len(FAULTS)]
+        if point in ("during_restore", "during_metrics_rewrite") and not resume:
+            point = rng.choice(KILL_POINTS[:-1])  # nothing to restore yet: a save point
+        if point in ("during_restore", "during_metrics_rewrite"):
+            at = resume  # the step this start restores (its lines past it are trimmed)
+        else:
+            at = rng.choice([s for s in range(EVERY, STEPS + 1, EVERY) if s > resume])
         kind = f"{point}@{at}"
         proc, lines = start(run_dir, fault=kind)
         return kind, finish(proc, lines, out), "".join(out)
+    kind = rng.choice(["timed", "timed", "startup"])
     proc, lines = start(run_dir)
     if kind == "startup":
         ready = wait_for(lines, lambda line: line.startswith("donation:"), out)
@@ -155,7 +164,7 @@ def main() -> int:
             return 1
         ref_arrays, ref_metrics = saved(reference, STEPS), metric_lines(reference)
         print(f"reference: {STEPS} steps, checkpoints kept {kept_steps(reference)}", flush=True)
-        kills, runs = 0, 0
+        kills, runs, starts = 0, 0, 0
         while kills < args.kills:
             runs += 1
             run_dir = work / f"run{runs}"
@@ -168,7 +177,8 @@ def main() -> int:
                     kind, code, out_text = "none", finish(proc, lines, out), ""
                     out_text = "".join(out)
                 else:
-                    kind, code, out_text = one_attempt(run_dir, rng)
+                    starts += 1
+                    kind, code, out_text = one_attempt(run_dir, rng, starts)
                 if code == -signal.SIGKILL:
                     kills += 1
                     kinds[kind.split("@")[0]] += 1
