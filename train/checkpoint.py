@@ -5,7 +5,10 @@ each array saved by its shards) and ``meta`` (JSON: the step, the data position 
 iterator's grain state).
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
 complete), so a run killed mid-save leaves the previous checkpoint as the latest complete one.
-The last ``keep`` checkpoints are kept, plus the best ``keep_best`` by an eval metric.
+The last ``keep`` complete checkpoints are kept, plus the best ``keep_best`` by the eval metric
+recorded in their manifests (so the ranking survives a restart). Orbax deletes nothing: older
+steps are deleted by :meth:`Checkpointer.save` / :meth:`Checkpointer.wait` only once a newer
+step is complete (its manifest written), so a kill at any moment leaves a usable step.
 
 Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
 restores onto 1 and back.
@@ -15,9 +18,12 @@ place. :meth:`Checkpointer.restore_latest` restores the newest step whose manife
 restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
 leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
 (a save killed after orbax's rename, or a lost manifest) cannot be verified: it is set aside like
-a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored; when
-no step has a manifest at all, no save ever finished and the run starts at step 0, with a
-warning listing what was set aside. A checkpoint whose leaf paths, shapes or dtypes differ from
+a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored. Once
+a step was complete, the folder holds a marker (``.checkpointed``): with it, finding no usable
+step is an error (never a silent start at step 0, in this invocation or a later one); without
+it (a kill during the first save) the run starts at step 0, with a warning listing what was set
+aside. A storage error while reading (:class:`CheckpointUnavailableError`) sets nothing aside.
+A checkpoint whose leaf paths, shapes or dtypes differ from
 the config's state is refused before restoring, and so is one written with another config (its
 manifest's ``config_hash``) unless that is allowed.
 
