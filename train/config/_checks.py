@@ -119,9 +119,8 @@ def registry_inputs(tree: dict[str, Any], cfg: Config | None) -> tuple[Any, ...]
 def cross_section_errors(cfg: Config) -> list[tuple[str, str]]:
     """Values that are valid alone but not together."""
     errors = []
-    # Only an explicit keep_best: the default (1) has nothing to rank without evaluations.
     keep_best = cfg.checkpoint.keep_best
-    if "keep_best" in cfg.checkpoint.model_fields_set and keep_best and not cfg.train.eval_every:
+    if keep_best and not cfg.train.eval_every:
         errors.append(
             (
                 "checkpoint.keep_best",

@@ -305,7 +305,7 @@ class Checkpoint(_Section):
     every: PositiveInt = Field(100, description="steps between checkpoints (and at the end)")
     keep: PositiveInt = Field(3, description="keep the last K checkpoints")
     keep_best: NonNegativeInt = Field(
-        1, description="also keep the best K by best_metric (0 = off); needs eval_every"
+        0, description="also keep the best K by best_metric (0 = off); needs train.eval_every"
     )
     best_metric: Literal["eval_accuracy", "eval_loss"] = Field(
         "eval_accuracy", description="metric ranking checkpoints for keep_best"
