@@ -9,6 +9,7 @@ the 8 fake CPU devices of conftest.py, except the two-process test (localhost, s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -78,6 +79,11 @@ def assert_equal(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
         assert x.dtype == y.dtype
+
+
+def entries(directory: Path) -> list[str]:
+    """The step directories (and set-aside ones) of a checkpoints folder, without dot files."""
+    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
 
 
 def checkpointer(directory: Path, **kw) -> Checkpointer:
@@ -252,7 +258,39 @@ def test_keep_best_retains_the_best_step_beside_the_latest(tmp_path, metric, val
         assert ck.save(step, state, data_position=step, metrics={metric: value})
         ck.wait()
     ck.close()
-    assert sorted(int(n) for n in os.listdir(tmp_path)) == [2, 5, 6]
+    assert sorted(int(n) for n in entries(tmp_path)) == [2, 5, 6]
+
+
+def test_keep_best_step_survives_a_restart(tmp_path):
+    # Item 1 of #31: the ranking lives in each step's manifest, so the best step (1, the lowest
+    # eval_loss) is kept by a Checkpointer that did not save it (a resumed run).
+    state = make_state()
+    cfg = Checkpoint(every=1, keep=1, keep_best=1, best_metric="eval_loss")
+    for steps in ((1, 0.1), (2, 0.5)), ((3, 0.7), (4, None)):
+        ck = Checkpointer(tmp_path, cfg, warn=[].append)
+        for step, loss in steps:
+            metrics = None if loss is None else {"eval_loss": loss}
+            assert ck.save(step, state, data_position=step, metrics=metrics)
+            ck.wait()
+        ck.close()
+    assert entries(tmp_path) == ["1", "4"]
+
+
+def test_older_steps_stay_until_the_newer_one_is_complete(tmp_path, gated_writer):
+    # Item 2 of #31: with keep=1, step 1 is deleted only once step 2's manifest is written.
+    state = make_state()
+    ck = Checkpointer(tmp_path, Checkpoint(every=1, keep=1, keep_best=0), warn=[].append)
+    gated_writer.set()
+    assert ck.save(1, state, data_position=1)
+    ck.wait()
+    gated_writer.clear()  # step 2's manifest is held back
+    assert ck.save(2, state, data_position=2)
+    ck._manager.wait_until_finished()  # orbax has renamed step 2 into place
+    assert entries(tmp_path) == ["1", "2"] and not (tmp_path / "2" / integrity.MANIFEST).exists()
+    gated_writer.set()
+    ck.wait()
+    ck.close()
+    assert entries(tmp_path) == ["2"]
 
 
 def _save_steps(directory: Path, steps: list[int]) -> TrainState:
@@ -277,19 +315,102 @@ def test_step_without_manifest_falls_back_to_the_newest_valid_one_and_says_so(tm
     (warning,) = warnings
     assert "step 3: no-manifest: no manifest.json" in warning, warning
     assert "moved to 3.corrupt-no-manifest" in warning, warning
-    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3.corrupt-no-manifest"]
+    assert entries(tmp_path) == ["1", "2", "3.corrupt-no-manifest"]
 
 
 def test_only_steps_without_manifest_start_at_0_saying_so_and_keep_them(tmp_path):
-    # No step was ever verified (a kill during the first save, after orbax's rename): nothing
-    # to resume. The run starts at step 0 with a warning; the step is set aside, not deleted.
+    # No step was ever complete (a kill during the first save, after orbax's rename, before the
+    # manifest and the checkpointed marker): nothing to resume. The run starts at step 0 with a
+    # warning; the step is set aside, not deleted.
     state = _save_steps(tmp_path, [1])
     (tmp_path / "1" / integrity.MANIFEST).unlink()
+    (tmp_path / integrity.CHECKPOINTED).unlink()
     warnings: list[str] = []
     assert checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state)) is None
     assert "no finished checkpoint; starting at step 0" in warnings[-1], warnings
     assert "step 1: no-manifest" in warnings[-1], warnings
     assert sorted(os.listdir(tmp_path)) == ["1.corrupt-no-manifest"]
+
+
+def test_every_manifest_lost_after_a_complete_step_is_refused_every_time(tmp_path):
+    # Item 3 of #31: a directory that held a complete step never starts over from step 0, in
+    # this invocation (the steps are set aside) nor in the next (no step is left).
+    state = _save_steps(tmp_path, [1, 2])
+    for step in ("1", "2"):
+        (tmp_path / step / integrity.MANIFEST).unlink()
+    for _ in range(2):  # this invocation, then the next
+        with pytest.raises(CheckpointError, match="held complete checkpoints") as e:
+            checkpointer(tmp_path).restore_latest(abstract(state))
+        assert "--restart" in str(e.value), str(e.value)
+    assert "1.corrupt-no-manifest, 2.corrupt-no-manifest" in str(e.value), str(e.value)
+    assert entries(tmp_path) == ["1.corrupt-no-manifest", "2.corrupt-no-manifest"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.EIO, "Input/output error"),
+        ValueError("UNAVAILABLE: error reading state/d/1234: timed out"),
+    ],
+    ids=["EIO", "tensorstore-unavailable"],
+)
+def test_storage_error_on_restore_sets_nothing_aside(tmp_path, monkeypatch, error):
+    # Item 3 of #31: an outage is no damage: a distinct error, every step left where it is.
+    state = _save_steps(tmp_path, [1, 2])
+
+    def failing(self, step, abstract_state):
+        raise error
+
+    monkeypatch.setattr(Checkpointer, "restore", failing)
+    with pytest.raises(ckpt_lib.CheckpointUnavailableError, match="storage error") as e:
+        checkpointer(tmp_path).restore_latest(abstract(state))
+    assert "checkpoint step 2" in str(e.value) and "nothing was set aside" in str(e.value)
+    assert entries(tmp_path) == ["1", "2"]
+
+
+def _changed(x: jax.Array) -> jax.Array:
+    # Another value of the same dtype, shape and sharding.
+    host_value = np.array(x)
+    host_value.reshape(-1)[0] += 1
+    return jax.device_put(host_value, x.sharding)
+
+
+@pytest.fixture(scope="module")
+def two_good_steps(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("good")
+    _save_steps(directory, [1, 2])
+    return directory
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(ckpt_lib._state_tree(make_state()))
+    ],
+)
+def test_each_damaged_leaf_is_named_and_its_step_set_aside(tmp_path, leaf, two_good_steps):
+    # Step 2's files replaced by a save in which only `leaf` differs (step and rng included).
+    run = tmp_path / "run"
+    shutil.copytree(two_good_steps, run)
+    state = make_state()
+    tree = ckpt_lib._state_tree(state)
+    damaged = jax.tree_util.tree_map_with_path(
+        lambda p, x: _changed(x) if jax.tree_util.keystr(p) == leaf else x, tree
+    )
+    other = checkpointer(tmp_path / "other")
+    assert other.save(2, TrainState(**damaged), data_position=2)
+    other.wait()
+    other.close()
+    _swap_in_state_of(tmp_path / "other" / "2", run / "2")
+
+    warnings: list[str] = []
+    restored, _, step = checkpointer(run, warnings=warnings).restore_latest(abstract(state))
+    assert step == 1
+    assert_equal(host(restored), host(state))
+    (warning,) = warnings
+    assert f"step 2: checksum: leaf {leaf}" in warning, warning
+    assert entries(run) == ["1", "2.corrupt-checksum"]
 
 
 def test_damaged_and_manifest_less_steps_are_all_listed_when_none_verifies(tmp_path):
@@ -316,7 +437,7 @@ def test_step_written_with_another_config_is_refused_unless_allowed(tmp_path):
     assert "checkpoint step 3" in message and "config changed since it was written" in message
     for fix in ("config.yaml", "--allow-config-change", "--restart"):
         assert fix in message
-    assert sorted(os.listdir(tmp_path)) == ["3"]  # refused, not damaged: nothing moved aside
+    assert entries(tmp_path) == ["3"]  # refused, not damaged: nothing moved aside
 
     warnings: list[str] = []
     ck = checkpointer(tmp_path, config_hash="b" * 64, warnings=warnings)

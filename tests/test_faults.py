@@ -13,12 +13,16 @@ The slow multi-kill test runs only with ``REMAT_NN_SLOW_TESTS=1``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -124,7 +128,7 @@ def train_in_child(run_dir, *extra: str, fault: str | None = None) -> tuple[int,
 
 
 def steps(run_dir) -> list[str]:
-    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir() if p.name[0] != ".")
 
 
 def saved(run_dir, step: int) -> dict:
@@ -136,6 +140,16 @@ def saved(run_dir, step: int) -> dict:
     return {
         jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
     }
+
+
+# Fields of a metrics line that measure time, not what was computed.
+TIMING = ("steps_per_sec", "examples_per_sec")
+
+
+def metric_lines(run_dir) -> list[dict]:
+    """metrics.jsonl without its timing fields (every line must be whole JSON)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -181,6 +195,7 @@ def test_sigkill_then_rerun_resumes_bitwise(point, tmp_path, reference):
     assert resumed in out, out
     assert not [n for n in steps(run_dir) if "tmp" in n]
     assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+    assert metric_lines(run_dir) == metric_lines(reference)  # no line lost or repeated
 
 
 @pytest.mark.skipif(
@@ -202,6 +217,64 @@ def test_three_seeded_random_kills_still_bitwise_equal(tmp_path, reference):
     code, out = train(run_dir)
     assert code == 0, out
     assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+def test_kill_after_the_rename_before_the_manifest_with_keep_1_resumes_the_step_before(
+    tmp_path, reference
+):
+    # #31 item 2: step 4 is deleted only once step 6 is complete, so a kill between orbax's
+    # rename of 6 and its manifest leaves 4 to resume from (it used to restart at step 0).
+    run_dir = tmp_path / "run"
+    code, out = train_in_child(
+        run_dir, "checkpoint.keep=1", fault="after_finalize_before_cleanup@6"
+    )
+    assert code == -signal.SIGKILL, out
+    code, out = train(run_dir, "checkpoint.keep=1")
+    assert code == 0 and "(step 4)" in out and "starting at step 0" not in out, out
+    assert steps(run_dir) == ["6.corrupt-no-manifest", "8"]
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+    assert metric_lines(run_dir) == metric_lines(reference)
+
+
+def test_kill_before_the_first_save_and_a_torn_line_leave_no_duplicate(tmp_path, reference):
+    # #31 item 4: lines of a run killed before its first checkpoint are logged again by the
+    # rerun (from step 0), not kept twice; a line torn by the kill is skipped with a warning.
+    run_dir = tmp_path / "run"
+    code, out = train_in_child(run_dir, fault="before_save@2")
+    assert code == -signal.SIGKILL, out
+    assert [r["step"] for r in metric_lines(run_dir)] == [1, 2]
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "st')  # what a kill in the middle of a write leaves
+    code, out = train(run_dir)
+    assert code == 0, out
+    assert "skipping its last line 3, torn by a crash" in out, out
+    assert metric_lines(run_dir) == metric_lines(reference)
+
+
+def test_kill_during_the_metrics_rewrite_loses_no_line(tmp_path, reference):
+    # #31 item 4: resuming from step 4 rewrites metrics.jsonl without the lines of steps 5-8;
+    # a kill halfway through leaves the file as it was (the rewrite goes to a temporary file).
+    run_dir = copy_of(reference, tmp_path)
+    for n in ("6", "8"):
+        shutil.rmtree(run_dir / "checkpoints" / n)
+    before = (run_dir / "metrics.jsonl").read_text()
+    code, out = train_in_child(run_dir, fault="during_metrics_rewrite@4")
+    assert code == -signal.SIGKILL and "SIGKILL at during_metrics_rewrite@4" in out, out
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    code, out = train(run_dir)
+    assert code == 0 and "(step 4)" in out, out
+    assert metric_lines(run_dir) == metric_lines(reference)
+    assert_bitwise_equal(saved(run_dir, 8), saved(reference, 8))
+
+
+def test_plot_skips_a_torn_last_line(tmp_path, reference):
+    from train.plot import main as plot_main
+
+    run_dir = copy_of(reference, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"split": "ev')
+    assert plot_main([str(run_dir)]) == 0
+    assert (run_dir / "plot.png").stat().st_size > 0
 
 
 # --- SIGTERM --------------------------------------------------------------------------------------
@@ -340,6 +413,15 @@ def test_every_step_damaged_exits_nonzero_listing_each(tmp_path, reference):
     for n in ("4", "6", "8"):
         assert f"  step {n}: " in out, out
     assert "resumed from" not in out and "step      1/8" not in out  # never starts from scratch
+    # #31 item 3: the same command again finds every step set aside: still refused.
+    code, out = train(run_dir)
+    assert code == 4 and "held complete checkpoints of this run" in out, out
+    assert "resumed from" not in out and "step      1/8" not in out, out
+    assert steps(run_dir) == [
+        "4.corrupt-unreadable",
+        "6.corrupt-unreadable",
+        "8.corrupt-unreadable",
+    ]
 
 
 # --- a checkpoint that does not fit the config ---------------------------------------------------
@@ -430,3 +512,85 @@ def test_nan_with_skip_leaves_params_and_opt_state_unchanged(tmp_path):
 
     code, out = train(tmp_path / "k", *skip, "--max-consecutive-skips", "2", fault="nan@2,nan@3")
     assert code == 3 and "2 consecutive steps skipped" in out and "step 3" in out, out
+
+
+def register_read_only_checkpoints() -> None:
+    """In a child: the model, and a file system that refuses orbax's step directories (what
+    ``os.makedirs`` raises on a read-only one; a full inode table gives ENOSPC the same way)."""
+    register()
+    real = os.makedirs
+
+    def makedirs(name, *args, **kwargs):
+        if ".orbax-checkpoint-tmp" in str(name):
+            raise OSError(errno.EROFS, "Read-only file system", str(name))
+        return real(name, *args, **kwargs)
+
+    os.makedirs = makedirs
+
+
+def test_save_that_cannot_create_its_directory_exits_4_promptly(tmp_path):
+    # #31 item 5: orbax's save threads wait for a "directory created" signal that a failed
+    # creation never sends, so interpreter shutdown used to wait minutes after the message.
+    started = time.monotonic()
+    proc = launch(argv(tmp_path / "run"), register="test_faults:register_read_only_checkpoints")
+    try:
+        out = proc.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running 90 s after it started:\n{proc.communicate()[0]}")
+    assert proc.returncode == 4 and "saving checkpoint step 2" in out, out
+    assert "Read-only file system" in out, out
+    assert time.monotonic() - started < 60, out
+
+
+# --- refused before anything is written (#31 item 6) ---------------------------------------------
+
+
+def test_refused_resume_keeps_config_yaml_so_the_original_command_still_resumes(
+    tmp_path, reference
+):
+    run_dir = copy_of(reference, tmp_path)
+    config = (run_dir / "config.yaml").read_text()
+    code, out = train(run_dir, "model.options.width=32", "--allow-config-change")
+    assert code == 4 and "does not fit this config's train state" in out, out
+    assert (run_dir / "config.yaml").read_text() == config
+    code, out = train(run_dir)
+    assert code == 0 and "run already complete" in out, out
+
+
+def test_restart_with_a_batch_larger_than_the_data_deletes_nothing(tmp_path, reference):
+    run_dir = copy_of(reference, tmp_path)
+    code, out = train(run_dir, "data.batch_size=20000", "--restart")
+    assert code == 2 and "fewer than one global batch of 20000" in out, out
+    assert steps(run_dir) == ["4", "6", "8"] and (run_dir / "metrics.jsonl").exists()
+    assert f"model {MODEL}" not in out  # refused before the step was compiled
+
+
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        (["model.name=transformer", "data.source=text", "data.path=/nonexistent"], "/nonexistent"),
+        (["model.name=transformer", "data.source=text", f"data.path={sys.executable}"], "UTF-8"),
+        (["mesh.data=64"], "does not fit the 8 devices"),
+        (["optim.lr=.inf"], "optim.lr: Input should be a finite number"),
+        (["checkpoint.keep_best=1"], "checkpoint.keep_best: 1 needs evaluations"),
+        (["--max-consecutive-skips", "-1"], "--max-consecutive-skips=-1"),
+        (["run_dir=/dev/null/run"], "cannot be created or written"),
+    ],
+    ids=["missing-path", "not-utf8", "mesh", "lr-inf", "keep-best", "skips", "run-dir"],
+)
+def test_bad_input_exits_2_naming_it_without_a_traceback(tmp_path, extra, expect):
+    code, out = train(tmp_path / "run", *extra)
+    assert code == 2 and expect in out and "Traceback" not in out, out
+
+
+def test_bad_jax_num_processes_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    code, out = train(tmp_path / "run")
+    assert code == 2 and "JAX_NUM_PROCESSES='two'" in out, out
+
+
+def test_sigterm_at_the_last_step_is_done_and_exits_0(tmp_path, reference):
+    code, out = train_in_child(tmp_path / "run", fault="sigterm@8")
+    assert code == 0 and "done: 8 steps" in out, out
+    assert_bitwise_equal(saved(tmp_path / "run", 8), saved(reference, 8))

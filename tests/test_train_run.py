@@ -600,3 +600,16 @@ def test_extending_a_finished_run_keeps_its_schedule_bit_for_bit(tmp_path):
     stretched = loop.run(make_cfg(tmp_path / "str", *common, "train.steps=12"))
     pairs = zip(leaves(stretched.state), leaves(extended.state), strict=True)
     assert any((a != b).any() for a, b in pairs)  # the test would see a stretched schedule
+
+
+def test_processes_launched_with_different_configs_all_exit_2(tmp_path):
+    # #31 item 6: every process's config hash is compared, not only process 0's start-up checks.
+    with held_port() as port:
+        flags = [
+            ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", i]
+            for i in ("0", "1")
+        ]
+        flags[1].append("optim.lr=0.05")
+        results = _launch(tmp_path / "mp", flags=flags)
+    for code, out in results:
+        assert code == 2 and "processes [1] were launched with another config" in out, out

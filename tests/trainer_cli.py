@@ -52,8 +52,8 @@ def launch(
     module, function = register.split(":")
     code = (
         f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-        f"import {module}; {module}.{function}(); from train.__main__ import main; "
-        f"raise SystemExit(main({argv!r}))"
+        f"import {module}; {module}.{function}(); from train.__main__ import exit_process, main; "
+        f"exit_process(main({argv!r}))"
     )
     child_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
     child_env["XLA_FLAGS"] = TEST_XLA_FLAGS

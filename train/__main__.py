@@ -7,9 +7,12 @@ Rerunning the same command resumes from the run directory's latest complete chec
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 
-__all__ = ["main"]
+__all__ = ["exit_process", "main"]
 
 _EPILOG = """\
 overrides:
@@ -20,9 +23,11 @@ exit codes: 0 done (or stopped by --stop-after, or already complete), 1 anything
   or an environment failure: the traceback is printed), 2 invalid config or arguments, or a
   config that does not fit the data, devices or machine, 3 non-finite loss (the message names
   the step), 4 checkpoint problem (none verifies, it does not fit the config, a save failed,
-  or the config changed since the run started), 5 the run directory is locked by another
-  process, 128+N stopped by signal N after saving a checkpoint. With several processes, all
-  exit with the same code.
+  or the config changed since the run started; never a silent start from step 0 in a run
+  directory that held a checkpoint), 5 the run directory is locked by another process, 6 the
+  storage failed while a checkpoint was read (nothing set aside: rerun when it is back), 128+N
+  stopped by signal N after saving a checkpoint. With several processes, all exit with the
+  same code.
 
 fault injection (tests): REMAT_NN_FAULT=<point>@<step>, see train/faults.py.
 
@@ -114,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         print("error: --stop-after must be a positive number of steps", file=sys.stderr)
         return 2
+    if args.max_consecutive_skips < 1:
+        print(
+            f"error: --max-consecutive-skips={args.max_consecutive_skips}: must be a positive "
+            "number of steps (train.on_nonfinite=skip halts after that many bad steps in a row)",
+            file=sys.stderr,
+        )
+        return 2
 
     # Before any JAX computation: multi-process setup.
     from train.errors import SetupError
@@ -125,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from train.integrity import CheckpointUnavailableError
     from train.loop import (
         CheckpointError,
         ConfigChangedError,
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     # or an environment failure and propagates (exit 1 with its traceback).
     codes = {
         NonFiniteError: 3,
+        CheckpointUnavailableError: 6,  # before its base class CheckpointError
         CheckpointError: 4,
         ConfigChangedError: 4,
         RunLockedError: 5,
@@ -157,12 +171,33 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(codes) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return next(code for kind, code in codes.items() if isinstance(e, kind))
-    if result.interrupted:
+    if result.interrupted and result.step < cfg.train.steps:  # a signal at the last step: done
         import signal
 
         return 128 + int(signal.Signals[result.interrupted])
     return 0
 
 
+def exit_process(code: int, *, grace_seconds: float = 5.0) -> None:
+    """Exits the process with ``code``, promptly even when a failed save left threads behind.
+
+    Orbax's save threads wait for a "directory created" signal that a save failing to create
+    its directory (a read-only or full file system) never sends; interpreter shutdown would wait
+    for them for orbax's coordination timeout. After an error (``code != 0``) threads still
+    running after ``grace_seconds`` are abandoned: the output is flushed and the process ends.
+    """
+    if code:
+        deadline = time.monotonic() + grace_seconds
+        others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+        # Polled, not joined: orbax's threads override join() to raise their own errors.
+        while any(t.is_alive() and not t.daemon for t in others):
+            if time.monotonic() > deadline:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            time.sleep(0.05)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -5,7 +5,10 @@ each array saved by its shards) and ``meta`` (JSON: the step, the data position 
 iterator's grain state).
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
 complete), so a run killed mid-save leaves the previous checkpoint as the latest complete one.
-The last ``keep`` checkpoints are kept, plus the best ``keep_best`` by an eval metric.
+The last ``keep`` complete checkpoints are kept, plus the best ``keep_best`` by the eval metric
+recorded in their manifests (so the ranking survives a restart). Orbax deletes nothing: older
+steps are deleted by :meth:`Checkpointer.save` / :meth:`Checkpointer.wait` only once a newer
+step is complete (its manifest written), so a kill at any moment leaves a usable step.
 
 Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
 restores onto 1 and back.
@@ -15,9 +18,12 @@ place. :meth:`Checkpointer.restore_latest` restores the newest step whose manife
 restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
 leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
 (a save killed after orbax's rename, or a lost manifest) cannot be verified: it is set aside like
-a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored; when
-no step has a manifest at all, no save ever finished and the run starts at step 0, with a
-warning listing what was set aside. A checkpoint whose leaf paths, shapes or dtypes differ from
+a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored. Once
+a step was complete, the folder holds a marker (``.checkpointed``): with it, finding no usable
+step is an error (never a silent start at step 0, in this invocation or a later one); without
+it (a kill during the first save) the run starts at step 0, with a warning listing what was set
+aside. A storage error while reading (:class:`CheckpointUnavailableError`) sets nothing aside.
+A checkpoint whose leaf paths, shapes or dtypes differ from
 the config's state is refused before restoring, and so is one written with another config (its
 manifest's ``config_hash``) unless that is allowed.
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 import errno
 import functools
 import re
+import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -61,10 +68,10 @@ from orbax.checkpoint import checkpoint_managers as policies
 from train import faults
 from train import integrity as integ
 from train.config import Checkpoint
-from train.integrity import CheckpointError
+from train.integrity import CheckpointError, CheckpointUnavailableError
 from train.state import TrainState
 
-__all__ = ["CheckpointError", "Checkpointer", "rematerialize"]
+__all__ = ["CheckpointError", "CheckpointUnavailableError", "Checkpointer", "rematerialize"]
 
 
 def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -167,19 +174,11 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         # Removed before orbax lists the steps (orbax's own cleanup runs in the background).
         self.removed_tmp = integ.remove_stale_tmp(self.directory) if _is_main() else []
-        keep: list[Any] = [policies.LatestN(cfg.keep)]
-        if cfg.keep_best:
-            sign = 1.0 if cfg.best_metric == "eval_accuracy" else -1.0
-            keep.append(
-                policies.BestN(
-                    get_metric_fn=lambda m: sign * float(m[cfg.best_metric]),
-                    n=cfg.keep_best,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(cfg.every),
-            preservation_policy=policies.AnyPreservationPolicy(keep),
+            # Orbax deletes old steps as soon as a new one is renamed into place, before its
+            # manifest exists; _prune deletes them only once a newer step is complete.
+            preservation_policy=policies.LatestN(None),  # None: keep every step
             enable_async_checkpointing=cfg.async_save,
             create=True,
             cleanup_tmp_directories=True,  # leftovers of a save that was killed
@@ -226,9 +225,11 @@ class Checkpointer:
           CheckpointError: the state holds NaN/Inf (never written), or the previous save failed
             (e.g. disk full); the message names the last valid step.
         """
-        if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
+        if not (force or self._manager.should_save(step)):
             return False
         self._finish_pending()
+        if step in self._manager.all_steps():
+            return False
         faults.kill_if("before_save", step)
         tree = _state_tree(state)
         # The device-to-host copies the crc32s need start first, to overlap the NaN/Inf check
@@ -248,6 +249,7 @@ class Checkpointer:
             "config_hash": self.config_hash,
             "meta": meta,
             "process_count": jax.process_count(),
+            "metrics": dict(metrics or {}),  # ranks the step for keep_best, across restarts
         }
         self._handler.step = self._saving = step
         try:
@@ -256,7 +258,6 @@ class Checkpointer:
                 args=ocp.args.Composite(
                     state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta)
                 ),
-                metrics=metrics if self.cfg.keep_best else None,
                 force=force,
             )
         except OSError as e:
@@ -285,6 +286,8 @@ class Checkpointer:
         if _is_main():
             faults.kill_if("after_finalize_before_cleanup", step)
             integ.write_manifest(step_dir, {**head, "leaves": records})
+            if _complete(step_dir):
+                integ.mark_checkpointed(self.directory, step)
         else:
             me = jax.process_index()
             shards = {path: r["shards"] for path, r in records.items() if r.get("shards")}
@@ -299,6 +302,37 @@ class Checkpointer:
         if self._save_error is not None:
             error, self._save_error = self._save_error, None
             raise self._write_error(self._saving, error) from error
+        if _is_main():
+            self._prune()
+
+    def _prune(self) -> None:
+        # Deletes complete steps beyond the latest `keep` and the best `keep_best` (ranked by the
+        # metrics in their manifests, so the ranking survives a restart). Only complete steps
+        # count and only they are deleted, so an older step stays until a newer one is complete.
+        complete: dict[int, dict[str, Any]] = {}
+        for step in self.all_steps():
+            try:
+                complete[step] = integ.read_manifest(self.directory / str(step))
+            except (ValueError, OSError):
+                continue
+        if not complete:
+            return
+        integ.mark_checkpointed(self.directory, max(complete))
+        keep = set(sorted(complete)[-self.cfg.keep :])
+        if self.cfg.keep_best:
+            name = self.cfg.best_metric
+            sign = -1.0 if name == "eval_loss" else 1.0  # higher is better after the sign
+            ranked = [s for s, m in complete.items() if name in (m.get("metrics") or {})]
+            ranked.sort(key=lambda s: (sign * float(complete[s]["metrics"][name]), s), reverse=True)
+            keep |= set(ranked[: self.cfg.keep_best])
+        doomed = sorted(set(complete) - keep)
+        for step in doomed:
+            gone = self.directory / f"{step}{integ.DELETING}"
+            (self.directory / str(step)).rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        if doomed:
+            integ.fsync_dir(self.directory)
+            self._manager.reload()
 
     def _write_error(self, step: int | None, error: BaseException) -> CheckpointError:
         self._failed = True
@@ -391,6 +425,8 @@ class Checkpointer:
             )
             mine = code
             code, text = _agree(code, text)
+            if code == _STORAGE:
+                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
             if code in (_MISFIT, _CONFIG):
                 if code != mine:
                     text = f"checkpoint step {step} in {self.directory} is refused ({text})"
@@ -408,7 +444,13 @@ class Checkpointer:
                 code, text = _CHECKSUM, str(e)
             except Exception as e:  # orbax could not read it: truncated or missing files
                 code, text = _UNREADABLE, _unreadable(self.directory / str(step), e, tree)
+                if _storage_failure(e):  # the storage, not the step: set nothing aside
+                    code, text = _STORAGE, f"{type(e).__name__}: {e}"
             code, text = _agree(code, text)
+            if code == _STORAGE:
+                if restored is not None:
+                    _delete(restored[0])
+                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
             if restored is None or code != _OK:
                 if restored is not None:
                     _delete(restored[0])
@@ -446,9 +488,21 @@ class Checkpointer:
                 "start. Fix: restore the directory from a backup, or --restart to start at step 0."
             )
         if unfinished:
+            self._set_aside_done()
+        if integ.checkpointed(self.directory):
+            # A step of this run was complete once: starting over would silently retrain it.
+            found = "\n".join(aside) or "  (no step is left in it)"
+            earlier = sorted(p.name for p in self.directory.iterdir() if ".corrupt-" in p.name)
+            raise CheckpointError(
+                f"{self.directory} held complete checkpoints of this run (marker "
+                f"{integ.CHECKPOINTED}), but none is usable now:\n{found}\n"
+                + (f"Set aside earlier: {', '.join(earlier)}.\n" if earlier else "")
+                + "Nothing was restored and training did not start. Fix: restore the directory "
+                "from a backup (or move a set-aside step back), or --restart to start at step 0."
+            )
+        if unfinished:
             # Only saves that never finished (like orbax's own temporary directories): there is
             # no complete checkpoint, so the run starts at step 0, and says so.
-            self._set_aside_done()
             self._warn(
                 "WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
                 + "\n".join(unfinished)
@@ -466,6 +520,8 @@ class Checkpointer:
         # This process's verdict on a step's manifest: (code, reason, manifest).
         try:
             manifest = integ.read_manifest(self.directory / str(step))
+        except OSError as e:
+            return _STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
         except ValueError as e:
             return (_UNFINISHED if str(e).startswith("no-manifest") else _BAD_MANIFEST), str(e), {}
         problems = integ.structure_problems(
@@ -589,12 +645,13 @@ class _Damaged(ValueError):
 
 # A process's verdict on a step. Combined over processes by the largest, so this is also the
 # order of precedence: a refusal (raised) over damage (set aside) over an unfinished save.
-_OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _MISFIT, _CONFIG = range(7)
+_OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _STORAGE, _MISFIT, _CONFIG = range(8)
 _KINDS = {
     _UNFINISHED: "no-manifest",
     _BAD_MANIFEST: "bad-manifest",
     _UNREADABLE: "unreadable",
     _CHECKSUM: "checksum",
+    _STORAGE: "storage-error",
     _MISFIT: "misfit",
     _CONFIG: "config-changed",
 }
@@ -604,6 +661,56 @@ checkpoint step {step} in {directory} was written with another config (config ha
 this run's {now}): the config changed since it was written, in keys that change what the run \
 computes. Fix: rerun with the run's config (config.yaml in the run directory), pass \
 --allow-config-change to resume this state with the new config, or --restart to start at step 0."""
+
+
+# Errors of the storage rather than of the bytes stored: the step may read fine once it is back.
+_STORAGE_ERRNOS = {
+    errno.EIO,
+    errno.EAGAIN,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ETIMEDOUT,
+    errno.ESTALE,
+    errno.ENOTCONN,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.EHOSTDOWN,
+    errno.EHOSTUNREACH,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.ENOMEM,
+    errno.EMFILE,
+    errno.ENFILE,
+    errno.EINTR,
+}
+# TensorStore's status codes for the same (its errors are ValueErrors named by their status).
+_STORAGE_STATUSES = (
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "ABORTED",
+    "CANCELLED",
+)
+
+
+def _storage_failure(error: BaseException) -> bool:
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
+            return True
+        if str(cause).lstrip().startswith(_STORAGE_STATUSES):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _storage_message(step: int, directory: Path, reason: str) -> str:
+    return (
+        f"reading checkpoint step {step} in {directory} failed with a storage error ({reason}). "
+        "That is no evidence of damage: nothing was set aside and training did not start. Fix: "
+        "rerun the same command once the storage is reachable again."
+    )
 
 
 def _agree(code: int, reason: str) -> tuple[int, str]:
@@ -688,3 +795,12 @@ def rematerialize(state: Any, shardings: Any) -> Any:
 
 def _is_main() -> bool:
     return jax.process_index() == 0
+
+
+def _complete(step_dir: Path) -> bool:
+    # Every process's manifest part is there (shared storage).
+    try:
+        integ.read_manifest(step_dir)
+    except (ValueError, OSError):
+        return False
+    return True

@@ -50,6 +50,7 @@ from train.errors import SetupError
 __all__ = [
     "Batches",
     "Dataset",
+    "check_batch",
     "crop_flip",
     "eval_batches",
     "load",
@@ -174,6 +175,20 @@ def _read(step: dict[str, np.ndarray], *, dataset: Dataset) -> dict[str, np.ndar
     return batch
 
 
+def check_batch(dataset: Dataset, global_batch: int, process_count: int) -> None:
+    """Raises SetupError unless ``global_batch`` fits the training split and the processes."""
+    n = dataset.num_examples("train")
+    if n < global_batch:
+        raise SetupError(
+            f"data: the training split has {n} examples, fewer than one global batch of "
+            f"{global_batch}. Fix: lower data.batch_size (or data.seq_len)."
+        )
+    if global_batch % process_count:
+        raise SetupError(
+            f"data: global batch {global_batch} does not split over {process_count} processes."
+        )
+
+
 def train_pipeline(
     dataset: Dataset,
     *,
@@ -210,15 +225,7 @@ def train_pipeline(
         processes, or augmentation of token data.
     """
     n = dataset.num_examples("train")
-    if n < global_batch:
-        raise SetupError(
-            f"data: the training split has {n} examples, fewer than one global batch of "
-            f"{global_batch}. Fix: lower data.batch_size (or data.seq_len)."
-        )
-    if global_batch % process_count:
-        raise SetupError(
-            f"data: global batch {global_batch} does not split over {process_count} processes."
-        )
+    check_batch(dataset, global_batch, process_count)
     if augment != "none" and dataset.task != "classify":
         raise SetupError(
             f"data.augment={augment!r} applies to images; {dataset.name} is token data. Fix: "
@@ -584,7 +591,14 @@ def load(cfg: Data, *, task: Task) -> Dataset:
             "corpus": load_corpus,
             "tokens": load_tokens,
         }[cfg.source]
-        ds = loader(cfg)
+        try:
+            ds = loader(cfg)
+        except (OSError, UnicodeDecodeError) as e:  # a path that is missing, unreadable or binary
+            raise SetupError(
+                f"data.path={cfg.path!r} (data.source={cfg.source}) cannot be read: "
+                f"{type(e).__name__}: {e}. Fix: the path of an existing, readable "
+                f"{cfg.source} file (text: UTF-8)."
+            ) from None
     if cfg.normalize == "per_channel":
         if ds.task != "classify":
             raise SetupError(

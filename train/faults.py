@@ -12,6 +12,8 @@ after_data_written              SIGKILL once every array is written to the tempo
 before_finalize                 SIGKILL just before orbax renames the temporary directory
 after_finalize_before_cleanup   SIGKILL after the rename, before the manifest is written
 during_restore                  SIGKILL while restoring checkpoint ``step``
+during_metrics_rewrite          SIGKILL halfway through rewriting metrics.jsonl on a resume
+                                from ``step`` (trimming the lines logged after it)
 enospc                          ``OSError(ENOSPC)`` from the background write of ``step``
 nan                             the batch of step ``step`` is NaN, so its loss is NaN
 sigterm                         the process sends itself SIGTERM once step ``step`` is taken
@@ -44,7 +46,7 @@ KILL_POINTS = (
     "after_finalize_before_cleanup",
     "during_restore",
 )
-POINTS = (*KILL_POINTS, "enospc", "nan", "sigterm", "sigint")
+POINTS = (*KILL_POINTS, "during_metrics_rewrite", "enospc", "nan", "sigterm", "sigint")
 
 
 @functools.cache

@@ -35,34 +35,54 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.config import is_resume_safe, resume_view
+from train.errors import SetupError
 
 __all__ = [
+    "CHECKPOINTED",
     "MANIFEST",
     "MANIFEST_PART",
     "CheckpointError",
+    "CheckpointUnavailableError",
     "ConfigChangedError",
     "HostCopies",
     "RunLock",
     "RunLockedError",
     "checksum_problems",
     "config_diff",
+    "checkpointed",
     "config_hash",
+    "fsync_dir",
     "index_key",
     "leaf_records",
+    "mark_checkpointed",
     "nonfinite_leaves",
     "read_manifest",
     "remove_stale_tmp",
     "structure_problems",
+    "write_json",
     "write_manifest",
+    "write_text",
 ]
 
 MANIFEST = "manifest.json"
 MANIFEST_PART = "manifest.process-{}.json"  # the part written by process i > 0
 ORBAX_TMP = ".orbax-checkpoint-tmp"
+DELETING = ".deleting"  # a step being deleted: renamed first, so no half-deleted step is listed
+# In the checkpoints folder once a step of the run was complete (every manifest part written):
+# a run directory with it never starts from step 0 unless --restart, whatever was set aside.
+CHECKPOINTED = ".checkpointed"
 
 
 class CheckpointError(RuntimeError):
     """No checkpoint can be used as it is: all damaged, a save failed, or it does not fit."""
+
+
+class CheckpointUnavailableError(CheckpointError):
+    """The storage failed while a checkpoint was read (I/O error, permission, timeout).
+
+    Not evidence of damage: nothing is moved aside, so rerunning once the storage is back
+    resumes from the same step.
+    """
 
 
 class RunLockedError(RuntimeError):
@@ -282,16 +302,46 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any], *, process: int = 0
 
     Process 0 writes the whole manifest (``process_count``, per leaf shape, dtype, crc32 and its
     own shards' crc32s); process ``i > 0`` writes ``manifest.process-<i>.json`` holding
-    ``{"step", "process", "shards": {leaf path: {index key: crc32}}}``. Each is written to a
-    temporary file, fsynced and renamed into place.
+    ``{"step", "process", "shards": {leaf path: {index key: crc32}}}``. See :func:`write_json`.
     """
-    name = MANIFEST if process == 0 else MANIFEST_PART.format(process)
-    tmp = step_dir / f".{name}.tmp"
+    write_json(step_dir / (MANIFEST if process == 0 else MANIFEST_PART.format(process)), manifest)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Writes ``obj`` as JSON to ``path`` durably (:func:`write_text`)."""
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` durably: a temporary file, fsynced, renamed into place, then
+    the directory fsynced (so the rename itself survives a power loss)."""
+    tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, step_dir / name)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsyncs a directory, making the renames and creations inside it durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mark_checkpointed(directory: Path, step: int) -> None:
+    """Records that ``directory`` held a complete step (once; see :data:`CHECKPOINTED`)."""
+    if not (directory / CHECKPOINTED).exists():
+        write_json(directory / CHECKPOINTED, {"first_complete_step": step})
+
+
+def checkpointed(directory: Path) -> bool:
+    """Whether ``directory`` ever held a complete step (its :data:`CHECKPOINTED` marker)."""
+    return (directory / CHECKPOINTED).exists()
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any]:
@@ -395,9 +445,15 @@ class RunLock:
     """
 
     def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / ".lock"
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SetupError(
+                f"run_dir={str(run_dir)!r} cannot be created or written ({type(e).__name__}: "
+                f"{e}). Fix: a writable directory (run_dir=...)."
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -420,10 +476,13 @@ class RunLock:
 
 
 def remove_stale_tmp(directory: Path) -> list[str]:
-    """Removes orbax temporary step directories left by killed saves; returns their names."""
+    """Removes orbax temporary step directories and half-deleted steps left by killed runs;
+    returns their names."""
     if not directory.is_dir():
         return []
-    stale = sorted(p for p in directory.iterdir() if ORBAX_TMP in p.name)
+    stale = sorted(
+        p for p in directory.iterdir() if ORBAX_TMP in p.name or p.name.endswith(DELETING)
+    )
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return [p.name for p in stale]

@@ -17,7 +17,8 @@ A run takes five named steps, each a function below, read top to bottom:
      d. restore the data iterator's grain state, so batches continue exactly (a checkpoint
         written before the grain pipeline holds only a position and is refused: its data order
         cannot be continued);
-     e. drop lines of metrics.jsonl past the restored step (logged after that checkpoint).
+     e. drop lines of metrics.jsonl past the restored step (logged after that checkpoint; all
+        of them when starting at step 0), rewriting it atomically (train/metrics_file.py).
 4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
    eval and checkpoint steps; in between, steps are dispatched asynchronously and their metrics
    stay on device. SIGTERM / SIGINT stop the loop at a step boundary every process agrees on
@@ -56,6 +57,7 @@ from train.config import Config, dump_config
 from train.dry_run import dry_run_report
 from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
+from train.metrics_file import trim_metrics
 from train.state import TrainState
 
 __all__ = [
@@ -172,6 +174,7 @@ def run(
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
+            _record_config(exp)
             if resume.step >= cfg.train.steps:
                 say(_already_complete(cfg, resume.step, exp.run_dir))
                 return RunResult(
@@ -225,18 +228,25 @@ def start(
             failure = e
             if lock is not None:
                 lock.release()
-    multihost.share_verdict(failure, what="start-up")
+    try:
+        multihost.share_verdict(failure, what="start-up")
+        multihost.check_same_config(integrity.config_hash(cfg.model_dump(mode="json")))
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return lock
 
 
 def _check_config_change(
     run_dir: Path, cfg: Config, *, allow: bool, say: Callable[[str], None]
 ) -> None:
-    # Only checkpoints make a changed config matter: without them the run starts afresh.
+    # Only checkpoints make a changed config matter: without them the run starts afresh. A run
+    # directory that ever held one is checked even when every step was set aside since.
     ckpts = run_dir / "checkpoints"
     if not (run_dir / "config.yaml").exists() or not ckpts.is_dir():
         return
-    if not any(p.name.isdigit() for p in ckpts.iterdir()):
+    if not integrity.checkpointed(ckpts) and not any(p.name.isdigit() for p in ckpts.iterdir()):
         return
     old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
@@ -337,6 +347,7 @@ def build_experiment(
 
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
+    data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
     batch_sh = sharding_lib.batch_sharding(mesh)
     repl = sharding_lib.replicated(mesh)
 
@@ -511,15 +522,21 @@ def _global_batch_size(cfg: Config, num_devices: int) -> int:
 
 
 def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
-    # Process 0 clears a restarted run and records the config; the others wait for it.
+    # Process 0 clears a restarted run; the others wait for it.
     if exp.is_main:
         if restart and exp.run_dir.exists():
             shutil.rmtree(exp.run_dir / "checkpoints", ignore_errors=True)
             (exp.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (exp.run_dir / "plot.png").unlink(missing_ok=True)
         exp.run_dir.mkdir(parents=True, exist_ok=True)
-        (exp.run_dir / "config.yaml").write_text(dump_config(exp.cfg))
     multihost.sync("run_dir")
+
+
+def _record_config(exp: Experiment) -> None:
+    # Once the checkpoints were accepted under this config: a refused resume leaves the config
+    # the run was trained with, so the original command still resumes.
+    if exp.is_main:
+        integrity.write_text(exp.run_dir / "config.yaml", dump_config(exp.cfg))
 
 
 # ============================== 3. restore ==============================
@@ -567,6 +584,8 @@ def restore_or_init(
     if found is None:
         state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
         resume = Resume()
+        if exp.is_main:  # lines of a run killed before its first save: logged again
+            trim_metrics(exp.run_dir / "metrics.jsonl", 0)
     else:
         state, meta, latest = found
         if "data_state" not in meta:  # d
@@ -579,22 +598,11 @@ def restore_or_init(
             )
         resume = Resume(int(meta["step"]), dict(meta["data_state"]), latest)
         if exp.is_main:
-            _truncate_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
+            trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
         exp.say(f"resumed from {ckpt.directory / str(latest)} (step {resume.step})")
     # One buffer at two leaves would be donated twice; say which leaves, before the first step.
     state_lib.check_distinct_buffers(state)
     return state, resume
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _already_complete(cfg: Config, step: int, run_dir: Path) -> str:

@@ -17,14 +17,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train.errors import SetupError
-from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
+from train.integrity import (
+    CheckpointError,
+    CheckpointUnavailableError,
+    ConfigChangedError,
+    RunLockedError,
+)
 
-__all__ = ["StopSignals", "share_verdict", "sync"]
+__all__ = ["StopSignals", "check_same_config", "share_verdict", "sync"]
 
-# Start-up failures every process re-raises as the same class (any other: RuntimeError).
+# Start-up failures every process re-raises as the same class (any other: RuntimeError); a
+# subclass before its base.
 _SHARED_ERRORS: tuple[type[Exception], ...] = (
     RunLockedError,
     ConfigChangedError,
+    CheckpointUnavailableError,
     CheckpointError,
     SetupError,
 )
@@ -54,6 +61,26 @@ def share_verdict(failure: BaseException | None, *, what: str) -> None:
     if code:
         kind = _SHARED_ERRORS[code - 1] if code <= len(_SHARED_ERRORS) else RuntimeError
         raise kind(f"process 0 failed at {what}: {text}")
+
+
+def check_same_config(config_hash: str) -> None:
+    """Raises SetupError on every process unless all were launched with the same config.
+
+    Compares :func:`train.integrity.config_hash` (the keys that change the computation) of every
+    process: one all-gather of 64 bytes. A no-op on a single process.
+    """
+    if jax.process_count() == 1:
+        return
+    mine = np.frombuffer(config_hash.encode().ljust(64)[:64], np.uint8)
+    hashes = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), 64)
+    differ = [i for i, h in enumerate(hashes) if not np.array_equal(h, hashes[0])]
+    if differ:
+        raise SetupError(
+            f"processes {differ} were launched with another config than process 0 (config hash "
+            f"{bytes(hashes[differ[0]]).decode()[:12]} vs {bytes(hashes[0]).decode()[:12]}): "
+            "they would train different models in one run. Fix: start every process with the "
+            "same --config and overrides (only distributed.* may differ)."
+        )
 
 
 def _encode_failure(failure: BaseException | None) -> tuple[int, str]:

@@ -7,19 +7,19 @@ Reads ``metrics.jsonl`` (one JSON object per line: ``split`` train/eval, ``step`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from train.errors import SetupError
+from train.metrics_file import read_metrics
 
 __all__ = ["main", "plot_run"]
 
 
 def _read(path: Path) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {"train": [], "eval": []}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            rows.setdefault(r.get("split", "train"), []).append(r)
+    for _, r in read_metrics(path):  # a torn last line (a crash mid-write) is skipped, warning
+        rows.setdefault(r.get("split", "train"), []).append(r)
     return rows
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(plot_run(args.run_dir, args.out))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

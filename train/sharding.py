@@ -63,15 +63,16 @@ def initialize_distributed(cfg: Distributed, *, auto: bool = False) -> bool:
     """
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     env_n, env_id = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-    num = cfg.num_processes or (int(env_n) if env_n else None)
-    pid = cfg.process_id if cfg.process_id is not None else (int(env_id) if env_id else None)
+    num = cfg.num_processes or _env_count("JAX_NUM_PROCESSES", env_n, least=1)
+    pid = cfg.process_id if cfg.process_id is not None else _env_count("JAX_PROCESS_ID", env_id)
     if address is None and num is None and pid is None:
         cluster = _detected_cluster()
         if not (auto or cluster):
             return False
         _enable_cpu_collectives()
         try:
-            jax.distributed.initialize()  # JAX reads the cluster's environment
+            # JAX reads the cluster's environment.
+            jax.distributed.initialize(heartbeat_timeout_seconds=cfg.heartbeat_timeout)
         except (ValueError, RuntimeError) as e:
             raise SetupError(
                 f"distributed: automatic set-up ({cluster or 'requested by --distributed-auto'}) "
@@ -88,8 +89,28 @@ def initialize_distributed(cfg: Distributed, *, auto: bool = False) -> bool:
             "--process-id I (or JAX_COORDINATOR_ADDRESS / JAX_PROCESS_ID)."
         )
     _enable_cpu_collectives()
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num,
+        process_id=pid,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout,
+    )
     return True
+
+
+def _env_count(name: str, value: str | None, *, least: int = 0) -> int | None:
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = least - 1
+    if n < least:
+        raise SetupError(
+            f"distributed: {name}={value!r} is not an integer >= {least}. Fix: set it to the "
+            f"{'number of processes' if least else 'process id (0, 1, ...)'}, or unset it."
+        )
+    return n
 
 
 def _detected_cluster() -> str | None:
@@ -130,12 +151,12 @@ def make_mesh(cfg: Mesh, devices: list[Any] | None = None) -> jax.sharding.Mesh:
     if fsdp == -1:
         fsdp = n // data if n % data == 0 else 0
     if data * fsdp == 0 or data * fsdp > n:
-        raise ValueError(
+        raise SetupError(
             f"mesh: data={cfg.data} x fsdp={cfg.fsdp} does not fit the {n} devices. Fix: sizes "
             f"whose product divides {n}, or -1 for one axis."
         )
     if data * fsdp < n and jax.process_count() > 1:
-        raise ValueError(
+        raise SetupError(
             f"mesh: data={data} x fsdp={fsdp} leaves devices unused in a {jax.process_count()}-"
             "process run; every process needs devices in the mesh. Fix: use -1 for one axis."
         )

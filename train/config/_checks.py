@@ -15,7 +15,7 @@ import pydantic
 from train.config._errors import pydantic_errors
 from train.config._schema import Config, Model
 
-__all__ = ["registry_errors", "registry_inputs"]
+__all__ = ["cross_section_errors", "registry_errors", "registry_inputs"]
 
 _LM_SOURCES = {"text", "corpus", "tokens", "synthetic"}
 _IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
@@ -114,3 +114,19 @@ def registry_inputs(tree: dict[str, Any], cfg: Config | None) -> tuple[Any, ...]
     seq_len = data.get("seq_len", 128) if isinstance(data.get("seq_len", 0), int) else None
     remat = tree.get("remat") if isinstance(tree.get("remat"), str | dict) else None
     return model, remat, source, seq_len
+
+
+def cross_section_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Values that are valid alone but not together."""
+    errors = []
+    keep_best = cfg.checkpoint.keep_best
+    if keep_best and not cfg.train.eval_every:
+        errors.append(
+            (
+                "checkpoint.keep_best",
+                f"{keep_best} needs evaluations to rank checkpoints, but train.eval_every=0 "
+                "evaluates only the last step. Fix: set train.eval_every (a multiple of "
+                "checkpoint.every), or checkpoint.keep_best=0",
+            )
+        )
+    return errors

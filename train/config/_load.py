@@ -9,7 +9,7 @@ from typing import Any
 import pydantic
 import yaml
 
-from train.config._checks import registry_errors, registry_inputs
+from train.config._checks import cross_section_errors, registry_errors, registry_inputs
 from train.config._errors import ConfigError, pydantic_errors
 from train.config._schema import REMOVED_KEYS, Config
 from train.config._yaml import apply_overrides, read_text, read_yaml
@@ -60,6 +60,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         found = pydantic_errors(e, Config, removed=REMOVED_KEYS)
         errors += [err for err in found if err[0] not in reported]
     errors += registry_errors(*registry_inputs(tree, cfg))
+    if cfg is not None:
+        errors += cross_section_errors(cfg)
     if errors or cfg is None:
         raise ConfigError(source, errors or [("", "invalid config")])
     return cfg

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt
 from pydantic_core import PydanticUndefined
+
+# A positive number that is finite: inf passes `gt=0` and would surface later as a non-finite loss.
+PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 # A path the user wrote: ``~`` (and ``~user``) expands to the home directory, as in a shell.
 UserPath = Annotated[str, pydantic.AfterValidator(os.path.expanduser)]
@@ -223,12 +226,12 @@ class Optim(_Section):
     """The optax optimizer, learning-rate schedule, clipping and weight decay."""
 
     name: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw")
-    lr: PositiveFloat = Field(0.1, description="peak learning rate")
+    lr: PositiveFinite = Field(0.1, description="peak learning rate")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd momentum (0 = plain sgd)")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum")
     b1: float = Field(0.9, ge=0.0, lt=1.0, description="adamw beta1")
     b2: float = Field(0.999, ge=0.0, lt=1.0, description="adamw beta2")
-    eps: PositiveFloat = Field(1e-8, description="adamw epsilon")
+    eps: PositiveFinite = Field(1e-8, description="adamw epsilon")
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
     decay_exclude: list[str] = Field(
         ["bias", "scale"],
@@ -249,7 +252,7 @@ class Optim(_Section):
     )
     warmup_steps: NonNegativeInt = Field(0, description="linear warm-up from 0 to lr")
     final_lr_fraction: float = Field(0.0, ge=0.0, le=1.0, description="cosine end lr / lr")
-    clip_norm: PositiveFloat | None = Field(None, description="clip gradients to this global norm")
+    clip_norm: PositiveFinite | None = Field(None, description="clip gradients to this global norm")
 
 
 class Train(_Section):
@@ -302,7 +305,7 @@ class Checkpoint(_Section):
     every: PositiveInt = Field(100, description="steps between checkpoints (and at the end)")
     keep: PositiveInt = Field(3, description="keep the last K checkpoints")
     keep_best: NonNegativeInt = Field(
-        1, description="also keep the best K by best_metric (0 = off); needs eval_every"
+        0, description="also keep the best K by best_metric (0 = off); needs train.eval_every"
     )
     best_metric: Literal["eval_accuracy", "eval_loss"] = Field(
         "eval_accuracy", description="metric ranking checkpoints for keep_best"
@@ -336,6 +339,9 @@ class Distributed(_Section):
     coordinator_address: str | None = Field(None, description="host:port of process 0")
     num_processes: PositiveInt | None = Field(None, description="number of processes")
     process_id: NonNegativeInt | None = Field(None, description="this process's id")
+    heartbeat_timeout: PositiveInt = Field(
+        30, description="seconds after which a silent process counts as dead and the run aborts"
+    )
 
 
 class Config(_Section):
