@@ -360,7 +360,10 @@ def build_experiment(
                 state_lib.make_init(build(None, o), tx, x_shape, seed=cfg.train.seed)
             ),
             batch={
-                k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
+                # one device's micro-batch: the backward the step compiles holds its activations
+                k: jax.ShapeDtypeStruct(
+                    (global_bs // mesh.size // cfg.train.grad_accum, *v.shape[1:]), v.dtype
+                )
                 for k, v in example.items()
             },
             compute_dtype=compute_dtype,
@@ -386,6 +389,7 @@ def build_experiment(
         f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "
         f"mesh {dict(mesh.shape)} on {jax.process_count()} process(es), "
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
+        + _accum_note(cfg.train.grad_accum, global_bs)
     )
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
@@ -396,6 +400,7 @@ def build_experiment(
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
+        grad_accum=cfg.train.grad_accum,
     )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
@@ -500,14 +505,31 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
 
 def _global_batch_size(cfg: Config, num_devices: int) -> int:
     if cfg.data.batch_size_per_device is not None:
-        return cfg.data.batch_size_per_device * num_devices
-    bs = cfg.data.batch_size or 0
-    if bs % num_devices:
-        raise SetupError(
-            f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. Fix: a "
-            f"multiple of {num_devices}, or set data.batch_size_per_device."
-        )
+        bs = cfg.data.batch_size_per_device * num_devices
+    else:
+        bs = cfg.data.batch_size or 0
+        if bs % num_devices:
+            raise SetupError(
+                f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. "
+                f"Fix: a multiple of {num_devices}, or set data.batch_size_per_device."
+            )
+    _check_grad_accum(bs, cfg.train.grad_accum, num_devices)
     return bs
+
+
+def _accum_note(k: int, global_bs: int) -> str:
+    return f" in {k} micro-batches of {global_bs // k} (train.grad_accum)" if k > 1 else ""
+
+
+def _check_grad_accum(global_bs: int, k: int, num_devices: int) -> None:
+    # Each micro-batch is split over every device like the whole batch (state.micro_batches).
+    if global_bs % (k * num_devices):
+        raise SetupError(
+            f"train.grad_accum={k} does not split the global batch of {global_bs} into "
+            f"micro-batches that split over the mesh's {num_devices} devices (needs a multiple "
+            f"of {k * num_devices}). Fix: a global batch that is a multiple of {k * num_devices}, "
+            "or another train.grad_accum."
+        )
 
 
 def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:

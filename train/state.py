@@ -25,6 +25,7 @@ from train.sharding import per_device_bytes
 __all__ = [
     "DonationError",
     "TrainState",
+    "accumulated_value_and_grad",
     "check_distinct_buffers",
     "decay_mask",
     "decay_summary",
@@ -34,6 +35,7 @@ __all__ = [
     "make_init",
     "make_optimizer",
     "make_train_step",
+    "micro_batch",
     "verify_donation",
     "verify_donated_inputs_deleted",
 ]
@@ -242,6 +244,58 @@ def make_loss_fn(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool
     return loss_fn
 
 
+def micro_batch(batch: dict[str, jax.Array], i: jax.Array | int, k: int) -> dict[str, jax.Array]:
+    """Micro-batch ``i`` of ``k`` of ``batch`` (leaves (B, ...)): rows i, i+k, i+2k, ...
+
+    Strided rather than contiguous, so each micro-batch takes B/(k n) rows from each of the n
+    devices the batch axis is split over: no data moves between devices. The (B/k, k, ...)
+    view is a reshape, and each micro-batch is read from it in place (no transposed copy of the
+    batch).
+
+    >>> micro_batch({"x": jnp.arange(6)}, 1, 2)["x"].tolist()
+    [1, 3, 5]
+    """
+
+    def rows(v: jax.Array) -> jax.Array:
+        strided = v.reshape(v.shape[0] // k, k, *v.shape[1:])  # (B/k, k, ...)
+        return jax.lax.dynamic_index_in_dim(strided, i, axis=1, keepdims=False)
+
+    return jax.tree.map(rows, batch)
+
+
+def accumulated_value_and_grad(loss_fn: Callable, k: int) -> Callable:
+    """``jax.value_and_grad(loss_fn, has_aux=True)`` over ``k`` micro-batches in a ``lax.scan``.
+
+    ``loss_fn(params, batch_stats, batch, key) -> (loss, (accuracy, batch_stats))`` must return
+    the batch *mean*: the mean of k equal micro-batch means is then the whole batch's mean, so
+    loss, accuracy and gradient equal one pass over the k-times larger batch up to float
+    rounding (the sums are taken in another order), while the backward holds one micro-batch's
+    activations. Exact for models whose output for an example does not depend on the other
+    examples: BatchNorm normalises each micro-batch by its own statistics and updates its
+    running statistics k times (as in every trainer that accumulates), and dropout draws its
+    masks per micro-batch (key folded with the micro-batch index).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        return grad_fn
+
+    def accumulated(params, batch_stats, batch, key):
+        def body(carry, i):
+            loss_sum, acc_sum, stats, grad_sum = carry
+            micro, key_i = micro_batch(batch, i, k), jax.random.fold_in(key, i)
+            (loss, (acc, stats)), grads = grad_fn(params, stats, micro, key_i)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (loss_sum + loss, acc_sum + acc, stats, grad_sum), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), batch_stats, zeros)
+        (loss_sum, acc_sum, stats, grad_sum), _ = jax.lax.scan(body, init, jnp.arange(k))
+        grads = jax.tree.map(lambda g: g / k, grad_sum)
+        return (loss_sum / k, (acc_sum / k, stats)), grads
+
+    return accumulated
+
+
 def make_train_step(
     model: fnn.Module,
     tx: optax.GradientTransformation,
@@ -250,18 +304,21 @@ def make_train_step(
     compute_dtype: Any = jnp.float32,
     has_batch_stats: bool,
     skip_nonfinite: bool = False,
+    grad_accum: int = 1,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """``step(state, batch) -> (new_state, metrics)``; jit it with ``donate_argnums=0``.
 
     Metrics (device scalars): loss, accuracy, grad_norm, lr, finite (loss, gradient norm and
     update norm are finite). With ``skip_nonfinite`` a non-finite step leaves params, optimizer
-    state and batch stats unchanged (the step counter and rng still advance).
+    state and batch stats unchanged (the step counter and rng still advance). With
+    ``grad_accum=k`` the gradient is the mean of k micro-batch gradients (see
+    :func:`accumulated_value_and_grad`): one optimizer update per step, as for the whole batch.
     """
     loss_fn = make_loss_fn(model, compute_dtype=compute_dtype, has_batch_stats=has_batch_stats)
+    grad_fn = accumulated_value_and_grad(loss_fn, grad_accum)
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (accuracy, batch_stats)), grads = grad_fn(
             state.params, state.batch_stats, batch, key
         )

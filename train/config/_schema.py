@@ -271,6 +271,14 @@ class Train(_Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the forward/backward; master weights stay float32"
     )
+    grad_accum: PositiveInt = Field(
+        1,
+        description="gradient accumulation: each step splits the global batch into this many "
+        "micro-batches, runs forward and backward on one at a time (lax.scan) and applies the "
+        "mean gradient once: the update of the whole batch with one micro-batch's activation "
+        "memory (BatchNorm sees micro-batch statistics). data.batch_size / grad_accum must "
+        "split over the mesh's devices",
+    )
     on_nonfinite: Literal["halt", "skip"] = Field(
         "halt",
         description="NaN/Inf loss or gradient: halt keeping the last good checkpoint, or skip "

@@ -1,0 +1,167 @@
+"""Trainer features users of MaxText / Levanter / flax examples expect: gradient accumulation,
+initialising from another run, time-based checkpoints, TensorBoard scalars, the lr-0 warning,
+a pluggable loss, the profiler window.
+
+Runs use a tiny dense model registered here (no BatchNorm, no dropout: an example's output
+depends on that example only, so accumulating micro-batches is exactly one large batch) on the
+embedded digits data, a few steps each, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+
+import models
+from tests.gradients import rel_err
+from tests.trainer_cli import shared_compilation_cache
+from train import loop
+from train import state as state_lib
+from train.config import load_config
+
+DENSE = "tiny_dense_for_feature_tests"
+
+
+class DenseOptions(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    num_classes: int = 10
+    width: int = 16
+
+
+class TinyDense(fnn.Module):
+    num_classes: int = 10
+    width: int = 16
+
+    @fnn.compact
+    def __call__(self, x, train: bool = False):
+        # x (B, H, W, C) -> logits (B, K)
+        h = fnn.relu(fnn.Dense(self.width)(x.reshape(x.shape[0], -1)))
+        return fnn.Dense(self.num_classes)(h)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dense_model_registered():
+    spec = models.ModelSpec(build=TinyDense, options=DenseOptions, task="classify", doc="tests")
+    models.register(DENSE, spec)
+    yield
+    models.REGISTRY.pop(DENSE, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_of_this_module(tmp_path_factory):
+    with shared_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
+        yield path
+
+
+def make_cfg(run_dir, *overrides: str):
+    return load_config(
+        None,
+        [
+            f"model.name={DENSE}",
+            "data.source=digits",
+            "data.batch_size=32",
+            "train.steps=4",
+            "train.log_every=2",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.plot=false",
+            "train.verify_donation=false",
+            "checkpoint.every=2",
+            "checkpoint.keep=2",
+            "checkpoint.async_save=false",
+            f"run_dir={run_dir}",
+            *overrides,
+        ],
+    )
+
+
+# ------------------------------ gradient accumulation ------------------------------
+
+
+def _dense_problem(batch_size: int = 32):
+    model = TinyDense()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(0, 1, (batch_size, 8, 8, 1)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32)
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    return model, params, {"x": x, "y": y}
+
+
+def test_accumulated_gradient_is_the_large_batch_gradient():
+    model, params, batch = _dense_problem()
+    loss_fn = state_lib.make_loss_fn(model, compute_dtype=jnp.float32, has_batch_stats=False)
+    key = jax.random.key(1)
+    (want_loss, (want_acc, _)), want = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        params, {}, batch, key
+    )
+    for k in (2, 4, 8):
+        fn = jax.jit(state_lib.accumulated_value_and_grad(loss_fn, k))
+        (loss, (acc, _)), grads = fn(params, {}, batch, key)
+        assert rel_err(grads, want) <= 1e-6, k
+        assert rel_err(loss, want_loss) <= 1e-6 and rel_err(acc, want_acc) <= 1e-6
+
+
+def test_grad_accum_run_takes_the_large_batch_steps(tmp_path):
+    # The whole trainer on 8 devices: 4 steps of batch 32 as 4 micro-batches of 8 (one example per
+    # device) reach the parameters of 4 steps of batch 32 in one pass.
+    common = ("optim.lr=0.05", "checkpoint.every=100")
+    one = loop.run(make_cfg(tmp_path / "one", *common))
+    accum = loop.run(make_cfg(tmp_path / "accum", *common, "train.grad_accum=4"))
+    assert rel_err(accum.state.params, one.state.params) <= 1e-6
+    assert rel_err(accum.state.opt_state, one.state.opt_state) <= 1e-6
+    lines = [json.loads(s) for s in (tmp_path / "accum" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(s) for s in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lines] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+
+
+def test_grad_accum_that_does_not_split_over_the_devices_is_refused(tmp_path):
+    # 32 splits into 8 micro-batches of 4, but 4 examples do not split over 8 devices.
+    with pytest.raises(loop.SetupError, match=r"train.grad_accum=8 .* multiple of 64"):
+        loop.run(make_cfg(tmp_path / "bad", "train.grad_accum=8"), dry_run=True)
+
+
+def test_dry_run_memory_is_the_micro_batch_step(tmp_path):
+    # The step compiled (and measured by --dry-run) holds one micro-batch's activations.
+    temp = {}
+    for k in (1, 8):
+        lines: list[str] = []
+        knobs = ("data.batch_size=1024", "mesh.data=1", "model.options.width=256")
+        knobs = (*knobs, f"train.grad_accum={k}")
+        cfg = make_cfg(tmp_path / f"dry{k}", *knobs)
+        loop.run(cfg, dry_run=True, out=lines.append)
+        text = "\n".join(lines)
+        temp[k] = _temp_bytes(text)
+        if k > 1:
+            assert "8 micro-batches of 128" in text
+    assert temp[8] < temp[1] / 4, temp
+
+
+def test_planner_plans_the_micro_batch(tmp_path, monkeypatch):
+    # remat: {policy: auto} budgets the backward of one device's micro-batch.
+    seen = {}
+
+    class Planned(Exception):
+        pass
+
+    def capture(remat, *, batch, **kwargs):
+        seen.update(batch)
+        raise Planned
+
+    monkeypatch.setattr(loop.autoplan, "load_or_plan", capture)
+    auto = ("model.name=revnet38", "remat={policy: auto, budget: 1MiB}", "data.batch_size=64")
+    auto = (*auto, "train.grad_accum=4")
+    with pytest.raises(Planned):
+        loop.run(make_cfg(tmp_path / "auto", *auto), dry_run=True)
+    assert seen["x"].shape == (64 // 8 // 4, 8, 8, 1) and seen["y"].shape == (2,)
+
+
+def _temp_bytes(text: str) -> float:
+    # The "temp: 1.5 MiB" line of the compiled memory the dry run prints last.
+    value, unit = text.rsplit("temp: ", 1)[1].split("\n", 1)[0].split()
+    return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
