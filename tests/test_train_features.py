@@ -10,6 +10,7 @@ embedded digits data, a few steps each, in this process.
 from __future__ import annotations
 
 import json
+import shutil
 
 import flax.linen as fnn
 import jax
@@ -21,8 +22,9 @@ import pytest
 import models
 from tests.gradients import rel_err
 from tests.trainer_cli import shared_compilation_cache
-from train import loop
+from train import init_from, loop
 from train import state as state_lib
+from train.checkpoint import Checkpointer
 from train.config import load_config
 
 DENSE = "tiny_dense_for_feature_tests"
@@ -165,3 +167,89 @@ def _temp_bytes(text: str) -> float:
     # The "temp: 1.5 MiB" line of the compiled memory the dry run prints last.
     value, unit = text.rsplit("temp: ", 1)[1].split("\n", 1)[0].split()
     return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+# ------------------------------ init_from ------------------------------
+
+
+def _initial_state(cfg):
+    # The state a run of cfg starts from (its run directory has no checkpoint).
+    exp = loop.build_experiment(cfg, say=lambda s: None)
+    ckpt = Checkpointer(exp.run_dir / "checkpoints", cfg.checkpoint, config_hash="", warn=print)
+    try:
+        return loop.restore_or_init(exp, ckpt, allow_dtype_cast=False, allow_config_change=False)
+    finally:
+        ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("source")
+    result = loop.run(make_cfg(run_dir, "optim.name=adamw"))
+    return run_dir, jax.device_get(result.state)
+
+
+def test_init_from_params_takes_the_model_variables_only(tmp_path, source_run):
+    src, final = source_run
+    cfg = make_cfg(tmp_path / "ft", "optim.name=adamw", f"init_from={{path: {src}}}")
+    state, resume = _initial_state(cfg)
+    fresh = jax.device_get(jax.jit(state_lib.make_init(TinyDense(), _adamw(), _x(), seed=0))())
+    assert resume.step == 0 and int(state.step) == 0
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(state.params), final.params))
+    opt = jax.device_get(state.opt_state)
+    assert jax.tree.all(jax.tree.map(np.array_equal, opt, fresh.opt_state))
+    assert np.array_equal(jax.device_get(state.rng), fresh.rng)
+
+
+def test_init_from_all_takes_the_whole_state_and_its_step(tmp_path, source_run):
+    src, final = source_run
+    cfg = make_cfg(
+        tmp_path / "all",
+        "optim.name=adamw",
+        "train.steps=8",
+        f"init_from={{path: {src}, what: all}}",
+    )
+    state, resume = _initial_state(cfg)
+    assert resume.step == 4 and resume.data_state is None
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(state), final))
+
+
+def test_init_from_a_model_that_differs_names_the_leaf(tmp_path, source_run):
+    src, _ = source_run
+    wide = make_cfg(tmp_path / "w", "model.options.width=32", f"init_from={{path: {src}}}")
+    with pytest.raises(
+        loop.CheckpointError,
+        match=r"\['params'\]\['Dense_0'\]\['kernel'\]: saved \(64, 16\) float32, "
+        r"expected \(64, 32\)",
+    ):
+        _initial_state(wide)
+    sgd = make_cfg(tmp_path / "s", f"init_from={{path: {src}, what: all}}")  # adamw's state saved
+    with pytest.raises(
+        loop.CheckpointError, match=r"(?s)train state.*\['opt_state'\].*what=params"
+    ):
+        _initial_state(sgd)
+    with pytest.raises(loop.CheckpointError, match="init_from.path=.*no finished checkpoint"):
+        _initial_state(make_cfg(tmp_path / "n", f"init_from={{path: {tmp_path / 'none'}}}"))
+
+
+def test_init_from_a_damaged_source_is_refused(tmp_path, source_run):
+    src, _ = source_run
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    step_dir = init_from.source_step(copy)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    leaf = manifest["leaves"]["['params']['Dense_1']['bias']"]
+    leaf["crc32"] = leaf["crc32"] ^ 1
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        loop.CheckpointError, match=r"is damaged: .*\['params'\]\['Dense_1'\]\['bias'\]"
+    ):
+        _initial_state(make_cfg(tmp_path / "d", f"init_from={{path: {copy}}}"))
+
+
+def _adamw():
+    return state_lib.make_optimizer(make_cfg("x", "optim.name=adamw").optim, 4)[0]
+
+
+def _x():
+    return jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32)

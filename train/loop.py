@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 import models
 from remat_nn._memory import format_bytes
-from train import autoplan, faults, integrity, multihost
+from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
 from train import remat as remat_lib
 from train import sharding as sharding_lib
@@ -587,8 +587,7 @@ def restore_or_init(
             "trains from step 0)."
         ) from None
     if found is None:
-        state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
-        resume = Resume()
+        state, resume = _fresh_start(exp)
     else:
         state, meta, latest = found
         if "data_state" not in meta:  # d
@@ -606,6 +605,18 @@ def restore_or_init(
     # One buffer at two leaves would be donated twice; say which leaves, before the first step.
     state_lib.check_distinct_buffers(state)
     return state, resume
+
+
+def _fresh_start(exp: Experiment) -> tuple[TrainState, Resume]:
+    # The model's init, or (init_from) another run's checkpoint taken into it.
+    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+    source = exp.cfg.init_from
+    if source is None:
+        return state, Resume()
+    state = init_from.init_state(source, exp.abstract, state)
+    step = int(state.step)
+    exp.say(f"initialised from {init_from.source_step(source.path)} ({source.what}, step {step})")
+    return state, Resume(step=step)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "Config",
     "Data",
     "Distributed",
+    "InitFrom",
     "Mesh",
     "Model",
     "Optim",
@@ -346,6 +347,22 @@ class Distributed(_Section):
     process_id: NonNegativeInt | None = Field(None, description="this process's id")
 
 
+class InitFrom(_Section):
+    """Start a fresh run from another run's checkpoint (ignored once this run has saved)."""
+
+    path: UserPath = Field(
+        description="the source: a run directory, its checkpoints/ directory (the newest "
+        "finished step is taken) or one step directory (~ is the home directory)"
+    )
+    what: Literal["params", "all"] = Field(
+        "params",
+        description="params: the model's parameters and BatchNorm statistics, with a fresh "
+        "optimizer state, step 0 and this run's rng (fine-tuning); all: the whole train state "
+        "(optimizer state, step and rng too), so the run goes on at the source's step on its "
+        "schedule, with this run's data order from its start",
+    )
+
+
 class Config(_Section):
     """A whole run. Sections: model, remat, data, optim, train, checkpoint, mesh, distributed."""
 
@@ -366,6 +383,11 @@ class Config(_Section):
     optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
     train: Train = Field(default_factory=Train)  # type: ignore[arg-type]
     checkpoint: Checkpoint = safe_field(default_factory=Checkpoint)  # type: ignore[arg-type]
+    init_from: InitFrom | None = Field(
+        None,
+        description="{path: ..., what: params|all}: initialise a fresh run from another run's "
+        "checkpoint instead of the model's init (see init_from.path, init_from.what)",
+    )
     mesh: Mesh = Field(default_factory=Mesh)  # type: ignore[arg-type]
     distributed: Distributed = safe_field(default_factory=Distributed)  # type: ignore[arg-type]
 
