@@ -253,3 +253,17 @@ def _adamw():
 
 def _x():
     return jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32)
+
+
+# ------------------------------ time-based checkpoints ------------------------------
+
+
+def test_every_minutes_checkpoints_by_wall_time(tmp_path, monkeypatch):
+    # A clock that advances 30 s per read: read at the start, after each step and after each
+    # save, so one minute has passed after steps 2 and 4 (and step 6 is the end).
+    ticks = iter(range(0, 10_000, 30))
+    monkeypatch.setattr(loop, "_clock", lambda: float(next(ticks)))
+    knobs = ("train.steps=6", "checkpoint.every=100", "checkpoint.keep=10")
+    loop.run(make_cfg(tmp_path / "timed", *knobs, "checkpoint.every_minutes=1"))
+    saved = sorted(int(p.name) for p in (tmp_path / "timed" / "checkpoints").iterdir())
+    assert saved == [2, 4, 6]

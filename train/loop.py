@@ -56,6 +56,7 @@ from train.config import Config, dump_config
 from train.dry_run import dry_run_report
 from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
+from train.save_timer import SaveTimer
 from train.state import TrainState
 
 __all__ = [
@@ -770,6 +771,7 @@ def train_loop(
     )
     log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
     stop = multihost.StopSignals()
+    timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
     bar = tqdm(
         total=total,
         initial=resume.step,
@@ -803,7 +805,8 @@ def train_loop(
             is_log = step % cfg.train.log_every == 0 or step == end or stopping
             every_eval = cfg.train.eval_every
             is_eval = step == total or bool(every_eval and step % every_eval == 0)
-            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping
+            timed = timer.due(synced=is_log)
+            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping or timed
             if is_log or is_eval or is_ckpt:
                 where = f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None else "none"
                 metrics.drain(step, last_good=where)
@@ -848,7 +851,7 @@ def train_loop(
                 ranked = None
                 if is_eval and last_eval is not None:
                     ranked = {f"eval_{k}": v for k, v in last_eval.items()}
-                force = step == end or stopping
+                force = step == end or stopping or timed
                 if ckpt.save(
                     step,
                     state,
@@ -858,6 +861,7 @@ def train_loop(
                     force=force,
                 ):
                     last_ckpt = step
+                    timer.saved()
             if stopping:
                 interrupted = stop.agreed_name()
                 say(
@@ -913,6 +917,11 @@ def _progress_enabled(cfg: Config, is_main: bool) -> bool:
     if not is_main or cfg.train.progress == "off":
         return False
     return cfg.train.progress == "on" or sys.stderr.isatty()
+
+
+def _clock() -> float:
+    # checkpoint.every_minutes' clock (tests replace it).
+    return time.monotonic()
 
 
 def _since(t: float) -> float:

@@ -309,6 +309,12 @@ class Checkpoint(_Section):
     """Orbax checkpointing of the whole train state and the data position."""
 
     every: PositiveInt = Field(100, description="steps between checkpoints (and at the end)")
+    every_minutes: PositiveFloat | None = Field(
+        None,
+        description="also checkpoint when this many minutes of wall time have passed since the "
+        "last save (or the start); checked after each step (with several processes: at log "
+        "steps, on process 0's clock). null: by steps only",
+    )
     keep: PositiveInt = Field(3, description="keep the last K checkpoints")
     keep_best: NonNegativeInt = Field(
         1, description="also keep the best K by best_metric (0 = off); needs eval_every"
