@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 
 import flax.linen as fnn
 import jax
@@ -267,3 +268,44 @@ def test_every_minutes_checkpoints_by_wall_time(tmp_path, monkeypatch):
     loop.run(make_cfg(tmp_path / "timed", *knobs, "checkpoint.every_minutes=1"))
     saved = sorted(int(p.name) for p in (tmp_path / "timed" / "checkpoints").iterdir())
     assert saved == [2, 4, 6]
+
+
+# ------------------------------ TensorBoard ------------------------------
+
+
+def _scalars(run_dir) -> list[tuple[str, int, float]]:
+    # Every scalar of the run's event files, read back record by record (TFRecord framing:
+    # length u64, its crc u32, the Event proto, its crc u32).
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for path in sorted((run_dir / "tensorboard").iterdir()):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + n])
+            at += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_tensorboard_scalars_continue_one_stream_after_a_resume(tmp_path):
+    knobs = ("train.steps=6", "train.log_every=1", "train.eval_every=3")
+    full = tmp_path / "full"
+    loop.run(make_cfg(full, *knobs))
+    run_dir = tmp_path / "resumed"
+    loop.run(make_cfg(run_dir, *knobs), stop_after=4)
+    # As if killed after logging steps 3 and 4 but before the checkpoint at 4 was written.
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    loop.run(make_cfg(run_dir, *knobs))
+    got = _scalars(run_dir)
+    # Each tag's steps once and in order, in the order TensorBoard reads the files.
+    for tag in {t for t, _, _ in got}:
+        steps = [s for t, s, _ in got if t == tag]
+        assert steps == sorted(set(steps)), (tag, steps)
+    want = _scalars(full)
+    assert sorted((t, s) for t, s, _ in got) == sorted((t, s) for t, s, _ in want)
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from_jsonl = {(f"{r['split']}/loss", r["step"]): r["loss"] for r in lines}
+    assert {(t, s): v for t, s, v in got if t.endswith("/loss")} == pytest.approx(from_jsonl)

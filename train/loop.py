@@ -734,6 +734,29 @@ class _MetricsFile:
             self._f.close()
 
 
+class _Tee:
+    """metrics.jsonl and the TensorBoard scalars (train.tensorboard), written together."""
+
+    def __init__(self, *logs: Any):
+        self.logs = logs
+
+    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
+        for log in self.logs:
+            log.record(split, step, values)
+
+    def close(self) -> None:
+        for log in self.logs:
+            log.close()
+
+
+def _with_tensorboard(exp: Experiment, log: _MetricsFile) -> _MetricsFile | _Tee:
+    if not (exp.is_main and exp.cfg.train.tensorboard):
+        return log
+    from train.tensorboard import TensorBoard
+
+    return _Tee(log, TensorBoard(exp.run_dir, exp.run_dir / "metrics.jsonl"))
+
+
 def train_loop(
     exp: Experiment,
     ckpt: Checkpointer,
@@ -769,7 +792,7 @@ def train_loop(
     metrics = _StepMetrics(
         halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
     )
-    log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
+    log = _with_tensorboard(exp, _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main))
     stop = multihost.StopSignals()
     timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
     bar = tqdm(

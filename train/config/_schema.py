@@ -297,6 +297,12 @@ class Train(_Section):
         "auto", description="tqdm progress bar (auto: only on a TTY)"
     )
     plot: bool = safe_field(True, description="write plot.png of the curves at the end")
+    tensorboard: bool = safe_field(
+        True,
+        description="also write the metrics as TensorBoard scalars to <run_dir>/tensorboard "
+        "(rebuilt from metrics.jsonl when a run starts, so a resumed run continues one stream); "
+        "view with tensorboard --logdir <run_dir>/tensorboard",
+    )
     compile_cache: str | None = safe_field(
         "~/.cache/remat_nn/jax",
         description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
