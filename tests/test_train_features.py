@@ -309,3 +309,19 @@ def test_tensorboard_scalars_continue_one_stream_after_a_resume(tmp_path):
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
     from_jsonl = {(f"{r['split']}/loss", r["step"]): r["loss"] for r in lines}
     assert {(t, s): v for t, s, v in got if t.endswith("/loss")} == pytest.approx(from_jsonl)
+
+
+# ------------------------------ extending a run whose lr reached 0 ------------------------------
+
+
+def test_extending_a_run_whose_lr_reached_zero_warns(tmp_path, capsys):
+    run_dir = tmp_path / "ext"
+    loop.run(make_cfg(run_dir))  # cosine to 0 over 4 steps
+    capsys.readouterr()
+    kept = ("train.steps=6", "optim.schedule_steps=4")
+    loop.run(make_cfg(run_dir, *kept), stop_after=1)
+    err = capsys.readouterr().err
+    assert "WARNING: the learning rate is 0 at step 4" in err and "steps 5..6" in err
+    # Not with a floor above 0.
+    loop.run(make_cfg(run_dir, *kept, "optim.final_lr_fraction=0.1"), allow_config_change=True)
+    assert "learning rate is 0" not in capsys.readouterr().err

@@ -182,6 +182,7 @@ def run(
                     resumed_from=resume.step,
                     seconds=_since(t_start),
                 )
+            _warn_if_schedule_spent(exp, resume.step)
             outcome = train_loop(
                 exp,
                 ckpt,
@@ -629,6 +630,26 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if line.strip() and json.loads(line).get("step", 0) <= step
     ]
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def _warn_if_schedule_spent(exp: Experiment, step: int) -> None:
+    # A resumed run whose learning rate is already 0 would take its remaining steps without
+    # changing a parameter (an extension of a run whose cosine decayed to 0).
+    cfg = exp.cfg
+    _, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
+    if step == 0 or float(schedule(step)) != 0.0 or not exp.is_main:
+        return
+    print(
+        f"WARNING: the learning rate is 0 at step {step}: the {cfg.optim.schedule} schedule "
+        f"ended at optim.schedule_steps={_schedule_steps(cfg)} with optim.final_lr_fraction="
+        f"{cfg.optim.final_lr_fraction}, so steps {step + 1}..{cfg.train.steps} will not change "
+        "the parameters. Fix: a new schedule from here in a new run directory with init_from: "
+        f"{{path: {exp.run_dir}, what: params}} (fresh optimizer state and warm-up), or "
+        "optim.final_lr_fraction > 0; a longer optim.schedule_steps would raise the lr again "
+        "mid-run.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _already_complete(cfg: Config, step: int, run_dir: Path) -> str:
