@@ -9,6 +9,7 @@ embedded digits data, a few steps each, in this process.
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import struct
@@ -325,3 +326,21 @@ def test_extending_a_run_whose_lr_reached_zero_warns(tmp_path, capsys):
     # Not with a floor above 0.
     loop.run(make_cfg(run_dir, *kept, "optim.final_lr_fraction=0.1"), allow_config_change=True)
     assert "learning rate is 0" not in capsys.readouterr().err
+
+
+# ------------------------------ profiler window ------------------------------
+
+
+def test_profile_window_writes_a_trace(tmp_path):
+    lines: list[str] = []
+    run_dir = tmp_path / "prof"
+    loop.run(make_cfg(run_dir, "train.profile={start: 1, steps: 2}"), out=lines.append)
+    traces = list((run_dir / "profile" / "plugins" / "profile").iterdir())
+    assert len(traces) == 1, traces
+    names = {p.name for p in traces[0].iterdir()}
+    assert "perfetto_trace.json.gz" in names and any(n.endswith(".xplane.pb") for n in names)
+    # Steps 2 and 3 of 4 ran in the window (jax 0.10 records two nested events per call).
+    with gzip.open(traces[0] / "perfetto_trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert sum(e.get("name") == "PjitFunction(jit(step))" for e in events) == 2 * 2
+    assert any("profile: trace written to" in s for s in lines)

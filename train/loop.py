@@ -56,6 +56,7 @@ from train.config import Config, dump_config
 from train.dry_run import dry_run_report
 from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
+from train.profile import ProfileWindow
 from train.save_timer import SaveTimer
 from train.state import TrainState
 
@@ -816,6 +817,7 @@ def train_loop(
     log = _with_tensorboard(exp, _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main))
     stop = multihost.StopSignals()
     timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
+    profile = ProfileWindow(cfg.train.profile, exp.run_dir, say=exp.say)
     bar = tqdm(
         total=total,
         initial=resume.step,
@@ -831,6 +833,7 @@ def train_loop(
     try:
         while step < end:
             # ============================== step ==============================
+            profile.at(step, state)
             batch = sharding_lib.global_batch(next(batches), exp.batch_sharding)
             if step + 1 in nan_steps:
                 batch = {**batch, "x": batch["x"] * jnp.nan}
@@ -914,6 +917,7 @@ def train_loop(
                 )
                 break
     finally:
+        profile.close(state)
         batches.close()
         bar.close()
         stop.restore()

@@ -30,6 +30,7 @@ __all__ = [
     "Mesh",
     "Model",
     "Optim",
+    "Profile",
     "Synthetic",
     "Tokens",
     "Train",
@@ -253,6 +254,15 @@ class Optim(_Section):
     clip_norm: PositiveFloat | None = Field(None, description="clip gradients to this global norm")
 
 
+class Profile(_Section):
+    """A ``jax.profiler`` trace of a window of train steps (``train.profile``)."""
+
+    start: NonNegativeInt = Field(
+        description="steps taken before the trace starts (a run resumed past it is not traced)"
+    )
+    steps: PositiveInt = Field(3, description="steps traced")
+
+
 class Train(_Section):
     """Length of the run, logging, evaluation, precision and failure handling."""
 
@@ -297,6 +307,12 @@ class Train(_Section):
         "auto", description="tqdm progress bar (auto: only on a TTY)"
     )
     plot: bool = safe_field(True, description="write plot.png of the curves at the end")
+    profile: Profile | None = safe_field(
+        None,
+        description="{start: N, steps: M}: a jax.profiler trace of steps N+1..N+M in "
+        "<run_dir>/profile, for TensorBoard's profile tab or the Perfetto UI "
+        "(perfetto_trace.json.gz); see README 'Trainer features'",
+    )
     tensorboard: bool = safe_field(
         True,
         description="also write the metrics as TensorBoard scalars to <run_dir>/tensorboard "
