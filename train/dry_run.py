@@ -54,7 +54,10 @@ def dry_run_report(exp: Experiment) -> None:
         exp.dataset.examples(np.arange(micro_bs) % n_train), exp.batch_sharding
     )
     loss_fn = state_lib.make_loss_fn(
-        exp.model, compute_dtype=exp.compute_dtype, has_batch_stats=exp.has_batch_stats
+        exp.model,
+        compute_dtype=exp.compute_dtype,
+        has_batch_stats=exp.has_batch_stats,
+        loss=exp.loss,
     )
     key = jax.random.key(0)
 

@@ -48,6 +48,7 @@ import models
 from remat_nn._memory import format_bytes
 from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
+from train import losses as losses_lib
 from train import remat as remat_lib
 from train import sharding as sharding_lib
 from train import state as state_lib
@@ -278,6 +279,8 @@ class Experiment:
       auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
       plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
         ``variant`` may change the parameters); None otherwise.
+      loss: the :mod:`train.losses` function (``model.loss``).
+      metric_names: the metrics it reports (``accuracy`` for cross-entropy).
     """
 
     cfg: Config
@@ -302,6 +305,8 @@ class Experiment:
     out: Callable[[str], None] | None
     plan_file: Path | None = None
     auto_choice: autoplan.AutoChoice | None = None
+    loss: Any = None
+    metric_names: tuple[str, ...] = ("accuracy",)
 
     @property
     def run_dir(self) -> Path:
@@ -326,6 +331,7 @@ def build_experiment(
         cache_dir = Path(cfg.train.compile_cache).expanduser().absolute()
         jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     spec = _model_spec(cfg)
+    loss = _loss(cfg, spec)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)
     # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
@@ -373,6 +379,7 @@ def build_experiment(
             say=say,
             model_variants=spec.variants(options) if spec.variants else None,
             write=is_main and not dry_run,
+            loss=loss,
         )
         # The chosen form (its options on the model's, its own remat if it sets one) and plan:
         # the state below (parameters, shardings, optimizer) is built from this model.
@@ -404,11 +411,13 @@ def build_experiment(
         has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
         grad_accum=cfg.train.grad_accum,
+        loss=loss,
     )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()
     }
+    metric_names = _metric_names(cfg, model, loss, abstract, batch_abstract, has_bn)
     jit_kwargs = dict(
         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0
     )
@@ -416,7 +425,9 @@ def build_experiment(
     # donation before the first one.
     train_step = jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
     eval_step = jax.jit(
-        state_lib.make_eval_step(model, compute_dtype=compute_dtype, has_batch_stats=has_bn),
+        state_lib.make_eval_step(
+            model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
+        ),
         in_shardings=(state_sh, batch_sh, repl),
         out_shardings=repl,
         donate_argnums=2,
@@ -447,7 +458,33 @@ def build_experiment(
         out=out,
         plan_file=plan_file,
         auto_choice=choice,
+        loss=loss,
+        metric_names=metric_names,
     )
+
+
+def _loss(cfg: Config, spec: models.ModelSpec) -> losses_lib.LossFn:
+    # model.loss, else the task's: mean squared error for regression, else cross-entropy.
+    return losses_lib.resolve(
+        cfg.model.loss or ("mse" if spec.task == "regress" else "cross_entropy")
+    )
+
+
+def _metric_names(cfg, model, loss, abstract, batch, has_bn) -> tuple[str, ...]:
+    # The loss's metrics, traced once; checkpoint.best_metric must be one of them (or the loss).
+    fn = state_lib.make_loss_fn(model, compute_dtype=jnp.float32, has_batch_stats=has_bn, loss=loss)
+    names = state_lib.metric_names(
+        fn, abstract.params, abstract.batch_stats, batch, jax.random.key(0)
+    )
+    ranked = cfg.checkpoint.best_metric.removeprefix("eval_")
+    if cfg.checkpoint.keep_best and ranked != "loss" and ranked not in names:
+        raise SetupError(
+            f"checkpoint.best_metric={cfg.checkpoint.best_metric} ranks checkpoints by a metric "
+            f"the loss ({cfg.model.loss or 'the task default'}) does not report (it reports "
+            f"{list(names) or 'none'}). Fix: checkpoint.best_metric=eval_loss, or "
+            "checkpoint.keep_best=0."
+        )
+    return names
 
 
 def _model_spec(cfg: Config) -> models.ModelSpec:
@@ -481,6 +518,8 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
         "num_classes": dataset.num_classes,
         "vocab_size": dataset.vocab_size,
     }
+    if dataset.task == "regress":
+        from_data["num_outputs"] = dataset.num_outputs
     if dataset.task == "classify":
         from_data["image_size"] = dataset.train_x.shape[1]
         from_data["in_channels"] = dataset.train_x.shape[3]
@@ -488,7 +527,9 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
         if value is None or key not in fields:
             continue
         too_small = key in ("num_classes", "vocab_size") and opts.get(key, value) < value
-        differs = key in ("image_size", "in_channels") and opts.get(key, value) != value
+        differs = (
+            key in ("image_size", "in_channels", "num_outputs") and opts.get(key, value) != value
+        )
         if too_small or differs:
             raise SetupError(
                 f"model.options.{key}={opts[key]} does not fit the data ({dataset.name}: {value}). "
@@ -726,7 +767,7 @@ class _StepMetrics:
 
 def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
     """Loss and accuracy on the test split (at most ``train.eval_batches`` batches)."""
-    sums = jax.device_put(state_lib.eval_zeros(), exp.replicated)
+    sums = jax.device_put(state_lib.eval_zeros(exp.metric_names), exp.replicated)
     for local in data_lib.eval_batches(
         exp.dataset,
         global_batch=exp.global_batch,
@@ -737,7 +778,7 @@ def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
         sums = exp.eval_step(state, sharding_lib.global_batch(local, exp.batch_sharding), sums)
     s = jax.device_get(sums)
     count = max(float(s["count"]), 1.0)
-    return {"loss": float(s["loss_sum"]) / count, "accuracy": float(s["correct"]) / count}
+    return {k: float(s[k]) / count for k in ("loss", *exp.metric_names)}
 
 
 class _MetricsFile:
@@ -864,7 +905,7 @@ def train_loop(
                 rate = (step - step_log) / max(now - t_log, 1e-9)
                 line = {
                     "loss": metrics.mean("loss"),
-                    "accuracy": metrics.mean("accuracy"),
+                    **{k: metrics.mean(k) for k in exp.metric_names},
                     "grad_norm": metrics.mean("grad_norm"),
                     "lr": metrics.lr,
                     "steps_per_sec": rate,
@@ -876,19 +917,20 @@ def train_loop(
                 t_log, step_log = now, step
                 log.record("train", step, line)
                 say(
-                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | acc "
-                    f"{line['accuracy']:.3f} | lr {line['lr']:.3g} | {rate:.2f} steps/s | "
+                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | "
+                    + "".join(f"{_short(k)} {line[k]:.3f} | " for k in exp.metric_names)
+                    + f"lr {line['lr']:.3g} | {rate:.2f} steps/s | "
                     f"{rate * exp.global_batch:.0f} ex/s"
                     + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
                 )
-                bar.set_postfix(loss=f"{line['loss']:.3f}", acc=f"{line['accuracy']:.3f}")
+                bar.set_postfix(
+                    loss=f"{line['loss']:.3f}",
+                    **{_short(k): f"{line[k]:.3f}" for k in exp.metric_names},
+                )
             if is_eval:
                 last_eval = evaluate(exp, state)
                 log.record("eval", step, last_eval)
-                say(
-                    f"eval @ {step}: loss {last_eval['loss']:.4f} | accuracy "
-                    f"{last_eval['accuracy']:.4f}"
-                )
+                say(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                 t_log = time.perf_counter()  # eval time does not count against steps/s
 
             # ============================== checkpoint ==============================
@@ -938,9 +980,10 @@ def finish(
 
         exp.say(f"plot: {plot_run(exp.run_dir)}")
     if outcome.eval is not None and done:
+        key = "accuracy" if "accuracy" in outcome.eval else "loss"
         exp.say(
-            f"done: {outcome.step} steps in {seconds:.1f}s | test accuracy "
-            f"{outcome.eval['accuracy']:.4f} | run directory {exp.run_dir}"
+            f"done: {outcome.step} steps in {seconds:.1f}s | test {key} "
+            f"{outcome.eval[key]:.4f} | run directory {exp.run_dir}"
         )
     return RunResult(
         step=outcome.step,
@@ -965,6 +1008,10 @@ def _progress_enabled(cfg: Config, is_main: bool) -> bool:
     if not is_main or cfg.train.progress == "off":
         return False
     return cfg.train.progress == "on" or sys.stderr.isatty()
+
+
+def _short(metric: str) -> str:
+    return {"accuracy": "acc"}.get(metric, metric)
 
 
 def _clock() -> float:

@@ -82,10 +82,18 @@ class Model(_Section):
         "itself); importable from the working directory or PYTHONPATH. See README 'Train your "
         "model'",
     )
-    task: Literal["classify", "lm"] | None = Field(
+    task: Literal["classify", "lm", "regress"] | None = Field(
         None,
-        description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)) or "
-        "lm (int32 tokens (B, T) -> logits (B, T, vocab)); default classify",
+        description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)), "
+        "lm (int32 tokens (B, T) -> logits (B, T, vocab)) or regress (float features (B, F) -> "
+        "predictions (B, num_outputs); data: synthetic or npz); default classify",
+    )
+    loss: str | None = Field(
+        None,
+        description="the loss minimised: cross_entropy (metric accuracy), mse (metric mae) or "
+        "'package.module:function', where function(outputs, targets) -> (per-example losses, "
+        "{metric: per-example values}); default: mse for model.task=regress, else "
+        "cross_entropy. See README 'Train your model'",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -138,6 +146,12 @@ class Synthetic(_Section):
     )
     num_classes: PositiveInt = Field(10, description="classes, classification only")
     vocab_size: PositiveInt = Field(256, description="token ids, language modelling only")
+    features: PositiveInt = Field(
+        8, description="regression only (model.task=regress): features per example"
+    )
+    outputs: PositiveInt = Field(
+        1, description="regression only: targets per example (x @ w + 0.1 noise)"
+    )
 
 
 class Tokens(_Section):
