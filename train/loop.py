@@ -95,7 +95,7 @@ class RunResult:
     Attributes:
       step: steps taken in total (including resumed ones).
       state: the final train state (device arrays); None for a dry run.
-      eval: the last evaluation (``loss``, ``accuracy``), if any.
+      eval: the last evaluation (``loss`` and the loss function's metrics), if any.
       interrupted: the signal name that stopped the run early, if any.
       run_dir: the run directory.
       resumed_from: the step restored at start, if the run resumed.
@@ -305,7 +305,7 @@ class Experiment:
     out: Callable[[str], None] | None
     plan_file: Path | None = None
     auto_choice: autoplan.AutoChoice | None = None
-    loss: Any = None
+    loss: losses_lib.LossFn = losses_lib.cross_entropy
     metric_names: tuple[str, ...] = ("accuracy",)
 
     @property
@@ -417,13 +417,13 @@ def build_experiment(
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()
     }
-    metric_names = _metric_names(cfg, model, loss, abstract, batch_abstract, has_bn)
     jit_kwargs = dict(
         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0
     )
     # Compiled ahead of time, once: the same executable runs every step and is checked for
     # donation before the first one.
     train_step = jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
+    metric_names = _metric_names(cfg, train_step)
     eval_step = jax.jit(
         state_lib.make_eval_step(
             model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
@@ -470,12 +470,10 @@ def _loss(cfg: Config, spec: models.ModelSpec) -> losses_lib.LossFn:
     )
 
 
-def _metric_names(cfg, model, loss, abstract, batch, has_bn) -> tuple[str, ...]:
-    # The loss's metrics, traced once; checkpoint.best_metric must be one of them (or the loss).
-    fn = state_lib.make_loss_fn(model, compute_dtype=jnp.float32, has_batch_stats=has_bn, loss=loss)
-    names = state_lib.metric_names(
-        fn, abstract.params, abstract.batch_stats, batch, jax.random.key(0)
-    )
+def _metric_names(cfg: Config, train_step: Any) -> tuple[str, ...]:
+    # The loss's metrics, read off the compiled step's outputs; checkpoint.best_metric must be
+    # one of them (or the loss).
+    names = tuple(sorted(set(train_step.out_info[1]) - set(state_lib.STEP_METRICS)))
     ranked = cfg.checkpoint.best_metric.removeprefix("eval_")
     if cfg.checkpoint.keep_best and ranked != "loss" and ranked not in names:
         raise SetupError(
@@ -566,7 +564,7 @@ def _accum_note(k: int, global_bs: int) -> str:
 
 
 def _check_grad_accum(global_bs: int, k: int, num_devices: int) -> None:
-    # Each micro-batch is split over every device like the whole batch (state.micro_batches).
+    # Each micro-batch is split over every device like the whole batch (state.micro_batch).
     if global_bs % (k * num_devices):
         raise SetupError(
             f"train.grad_accum={k} does not split the global batch of {global_bs} into "
@@ -766,7 +764,7 @@ class _StepMetrics:
 
 
 def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
-    """Loss and accuracy on the test split (at most ``train.eval_batches`` batches)."""
+    """The loss and its metrics on the test split (at most ``train.eval_batches`` batches)."""
     sums = jax.device_put(state_lib.eval_zeros(exp.metric_names), exp.replicated)
     for local in data_lib.eval_batches(
         exp.dataset,

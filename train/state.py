@@ -36,7 +36,7 @@ __all__ = [
     "make_init",
     "make_optimizer",
     "make_train_step",
-    "metric_names",
+    "STEP_METRICS",
     "micro_batch",
     "verify_donation",
     "verify_donated_inputs_deleted",
@@ -300,6 +300,10 @@ def accumulated_value_and_grad(loss_fn: Callable, k: int) -> Callable:
     return accumulated
 
 
+#: The train step's own metrics; the loss function's join them.
+STEP_METRICS = ("loss", "grad_norm", "lr", "finite")
+
+
 def make_train_step(
     model: fnn.Module,
     tx: optax.GradientTransformation,
@@ -330,6 +334,11 @@ def make_train_step(
         (loss, (loss_metrics, batch_stats)), grads = grad_fn(
             state.params, state.batch_stats, batch, key
         )
+        if clash := sorted(set(loss_metrics) & set(STEP_METRICS)):
+            raise ValueError(
+                f"the loss function's metrics {clash} have the names of the train step's own "
+                f"{list(STEP_METRICS)}. Fix: rename them in the loss function (model.loss)."
+            )
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -391,11 +400,6 @@ def make_eval_step(
 def eval_zeros(metric_names: Sequence[str] = ("accuracy",)) -> dict[str, np.ndarray]:
     """The starting sums of :func:`make_eval_step` for a loss with these metrics."""
     return {k: np.zeros((), np.float32) for k in ("loss", *metric_names, "count")}
-
-
-def metric_names(loss_fn: Callable, *args: Any) -> tuple[str, ...]:
-    """The metrics ``loss_fn(*args)`` (a :func:`make_loss_fn` function) reports, traced only."""
-    return tuple(sorted(jax.eval_shape(loss_fn, *args)[1][0]))
 
 
 # --- donation -------------------------------------------------------------------------------------
