@@ -9,6 +9,8 @@ Calling conventions (every registered module follows one):
     the model has BatchNorm, pass ``mutable=["batch_stats"]``.
   - ``task="lm"``: ``module.apply(variables, tokens, train=bool, rngs=...)`` with int32 tokens
     (B, T), returns logits (B, T, vocab_size).
+  - ``task="regress"``: ``module.apply(variables, features, train=bool, rngs=...)`` with float32
+    features (B, F), returns predictions (B, num_outputs) (tabular data; ``model.module`` only).
 
 Your own model, without editing this package (``model.module`` in a config, see README "Train
 your model"): ``model.module: my_package.my_model:build`` names a callable in a module importable
@@ -19,7 +21,8 @@ from the working directory or ``PYTHONPATH`` — a function or a ``flax.linen.Mo
     of its task above (it may ignore ``train`` and ``rngs``, but must accept ``train``);
   - its keyword parameters are its options: an unknown option is an error, a parameter without
     a default is required, ``**kwargs`` takes anything;
-  - parameters named ``num_classes``, ``vocab_size``, ``image_size``, ``in_channels`` are filled
+  - parameters named ``num_classes``, ``vocab_size``, ``image_size``, ``in_channels``,
+    ``num_outputs`` are filled
     from the data when the config leaves them out, ``dtype`` from ``train.compute_dtype``;
   - a parameter named ``remat`` receives the config's ``remat:`` as a :class:`remat_nn.Plan` (or
     the string ``"none"``); without one, ``remat:`` must stay unset.
@@ -83,7 +86,7 @@ class ModelSpec:
 
     build: Callable[..., fnn.Module]
     options: type[pydantic.BaseModel]
-    task: Literal["classify", "lm"]
+    task: Literal["classify", "lm", "regress"]
     doc: str = ""
     remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
@@ -137,7 +140,9 @@ class ModuleError(ValueError):
 #: Options the trainer fills from the data (and ``dtype`` from ``train.compute_dtype``) when the
 #: config leaves them out: a ``model.module`` build may require them without the config naming
 #: them.
-FROM_DATA = frozenset({"num_classes", "vocab_size", "image_size", "in_channels", "dtype"})
+FROM_DATA = frozenset(
+    {"num_classes", "vocab_size", "image_size", "in_channels", "num_outputs", "dtype"}
+)
 
 _MODULE_FORM = (
     "'package.module:build', a module importable from the working directory or PYTHONPATH and "
@@ -145,7 +150,7 @@ _MODULE_FORM = (
 )
 
 
-def from_module(ref: str, *, task: Literal["classify", "lm"] = "classify") -> ModelSpec:
+def from_module(ref: str, *, task: Literal["classify", "lm", "regress"] = "classify") -> ModelSpec:
     """The :class:`ModelSpec` of your own model, ``"package.module:build"`` (``model.module``).
 
     The module is imported (once; Python caches it) and ``build``'s keyword parameters become the
@@ -153,7 +158,7 @@ def from_module(ref: str, *, task: Literal["classify", "lm"] = "classify") -> Mo
 
     Args:
       ref: ``"package.module:build"``.
-      task: ``"classify"`` or ``"lm"`` (``model.task``).
+      task: ``"classify"``, ``"lm"`` or ``"regress"`` (``model.task``).
 
     Raises:
       ModuleError: ``ref`` is not of that form, the module does not import, it has no such

@@ -27,6 +27,7 @@ import jax
 import yaml
 
 import remat_nn as rn
+from train import losses as losses_lib
 from train import state as state_lib
 from train.errors import SetupError
 
@@ -282,6 +283,7 @@ def load_or_plan(
     say: Callable[[str], None],
     model_variants: Mapping[str, Mapping[str, Any]] | None = None,
     write: bool = True,
+    loss: losses_lib.LossFn = losses_lib.cross_entropy,
 ) -> AutoChoice:
     """The run's plan (and variant): read from ``run_dir`` if saved there, else planned and saved.
 
@@ -303,6 +305,7 @@ def load_or_plan(
       model_variants: the model's own forms (:attr:`models.ModelSpec.variants` of its options);
         the request's ``variants`` add to or replace them (:meth:`AutoRequest.forms`).
       write: save the chosen plan (False for a dry run).
+      loss: the :mod:`train.losses` function the run trains with.
 
     Raises:
       SetupError: a variant's options do not build or do not run, or drop a form the model
@@ -317,6 +320,8 @@ def load_or_plan(
         say(f"remat plan (auto, from {path}): {choice.plan}{shown}")
         return choice
 
+    loss_of_outputs = loss  # `loss` below is the planned function of the parameters
+
     def planned(overrides: Mapping[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         # The loss of the model with `overrides` under `policy=`, and its abstract arguments.
         fixed = "remat" in overrides  # the form's own plan: the planner's does not apply
@@ -326,6 +331,7 @@ def load_or_plan(
                 build(None if fixed else policy, overrides),
                 compute_dtype=compute_dtype,
                 has_batch_stats=has_bn,
+                loss=loss_of_outputs,
             )
             return fn(params, batch_stats, batch, key)[0]
 

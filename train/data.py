@@ -58,7 +58,7 @@ __all__ = [
     "train_pipeline",
 ]
 
-Task = Literal["classify", "lm"]
+Task = Literal["classify", "lm", "regress"]
 
 #: Pixels of padding around each image before the random crop (RevNet / ResNet on CIFAR).
 CROP_PAD = 4
@@ -69,7 +69,8 @@ class Dataset:
     """Train and test examples (in host memory, or memory-mapped for ``tokens``).
 
     Attributes:
-      task: ``"classify"`` (images and labels) or ``"lm"`` (a token stream).
+      task: ``"classify"`` (images and labels), ``"lm"`` (a token stream) or ``"regress"``
+        (float features (N, F) and float targets (N, K)).
       train_x: classify: (N, H, W, C) float32; lm: (N_tokens,) integer token ids (int32, or the
         file's dtype when memory-mapped).
       train_y: classify: (N,) int32; lm: None.
@@ -79,6 +80,7 @@ class Dataset:
       vocab_size: lm: number of token ids; classify: None.
       seq_len: lm: tokens per example (each example is seq_len + 1 tokens: inputs and targets).
       name: where it came from, for logs.
+      num_outputs: regress: targets per example (K); otherwise None.
       black: classify: (C,) float32, the value of a black pixel after normalization (what
         :func:`crop_flip` pads with); zeros without normalization.
     """
@@ -92,6 +94,7 @@ class Dataset:
     vocab_size: int | None = None
     seq_len: int = 0
     name: str = ""
+    num_outputs: int | None = None
     black: np.ndarray | None = None
 
     def num_examples(self, split: str = "train") -> int:
@@ -228,7 +231,7 @@ def train_pipeline(
     check_batch(dataset, global_batch, process_count)
     if augment != "none" and dataset.task != "classify":
         raise SetupError(
-            f"data.augment={augment!r} applies to images; {dataset.name} is token data. Fix: "
+            f"data.augment={augment!r} applies to images; {dataset.name} is not. Fix: "
             "data.augment=none."
         )
     rows = slice(
@@ -461,8 +464,12 @@ def load_mnist(cfg: Data) -> Dataset:
     return _classify("mnist", xtr, ytr, xte, yte)
 
 
-def load_npz(cfg: Data) -> Dataset:
-    """``.npz`` with x_train, y_train and optionally x_test, y_test (else split by seed)."""
+def load_npz(cfg: Data, task: Task = "classify") -> Dataset:
+    """``.npz`` with x_train, y_train and optionally x_test, y_test (else split by seed).
+
+    Images and integer labels, or for ``task="regress"`` float features (N, F) and targets
+    (N,) or (N, K).
+    """
     with np.load(cfg.path or "") as f:
         keys = set(f.files)
         if not {"x_train", "y_train"} <= keys:
@@ -470,12 +477,16 @@ def load_npz(cfg: Data) -> Dataset:
                 f"data.path={cfg.path!r} holds {sorted(keys)}; expected arrays x_train, y_train "
                 "(and optionally x_test, y_test)."
             )
-        xtr, ytr = _images(f["x_train"]), f["y_train"]
+        features = (lambda a: a) if task == "regress" else _images
+        xtr, ytr = features(f["x_train"]), f["y_train"]
         if {"x_test", "y_test"} <= keys:
-            xte, yte = _images(f["x_test"]), f["y_test"]
+            xte, yte = features(f["x_test"]), f["y_test"]
         else:
             xtr, ytr, xte, yte = _split(xtr, ytr, cfg.test_fraction, cfg.split_seed)
-    return _classify(f"npz:{Path(cfg.path or '').name}", xtr, ytr, xte, yte)
+    name = f"npz:{Path(cfg.path or '').name}"
+    if task == "regress":
+        return _regression(name, xtr, ytr, xte, yte)
+    return _classify(name, xtr, ytr, xte, yte)
 
 
 def _token_splits(tokens: np.ndarray, cfg: Data, *, vocab_size: int, name: str) -> Dataset:
@@ -515,6 +526,8 @@ def load_synthetic(cfg: Data, task: Task) -> Dataset:
     s = cfg.synthetic
     rng = np.random.default_rng(cfg.split_seed)
     n_test = max(1, round(s.num_examples * cfg.test_fraction))
+    if task == "regress":
+        return _synthetic_regression(cfg)
     if task == "lm":
         n_tok = (s.num_examples + n_test) * cfg.seq_len + 2
         toks = rng.integers(0, s.vocab_size, n_tok, dtype=np.int32)
@@ -534,6 +547,28 @@ def load_synthetic(cfg: Data, task: Task) -> Dataset:
     y = rng.integers(0, s.num_classes, n)
     tr, te = slice(0, s.num_examples), slice(s.num_examples, n)
     return _classify("synthetic", x[tr], y[tr], x[te], y[te], num_classes=s.num_classes)
+
+
+def _synthetic_regression(cfg: Data) -> Dataset:
+    # Features ~ N(0, 1) and targets x @ w + 0.1 noise with w ~ N(0, 1/F): learnable, and the
+    # noise floor of the mean squared error is 0.01.
+    s = cfg.synthetic
+    rng = np.random.default_rng(cfg.split_seed)
+    n = s.num_examples + max(1, round(s.num_examples * cfg.test_fraction))
+    x = rng.standard_normal((n, s.features), dtype=np.float32)
+    w = rng.standard_normal((s.features, s.outputs), dtype=np.float32) / np.sqrt(s.features)
+    y = (x @ w + 0.1 * rng.standard_normal((n, s.outputs))).astype(np.float32)
+    tr, te = slice(0, s.num_examples), slice(s.num_examples, n)
+    return _regression("synthetic", x[tr], y[tr], x[te], y[te])
+
+
+def _regression(name, xtr, ytr, xte, yte) -> Dataset:
+    # Tabular: features (N, F) float32, targets (N, K) float32.
+    def table(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, np.float32).reshape(len(a), -1)
+
+    xtr, xte, ytr, yte = table(xtr), table(xte), table(ytr), table(yte)
+    return Dataset("regress", xtr, ytr, xte, yte, name=name, num_outputs=ytr.shape[1])
 
 
 def load_tokens(cfg: Data) -> Dataset:
@@ -581,6 +616,8 @@ def load(cfg: Data, *, task: Task) -> Dataset:
     """Loads the configured source for a model of ``task`` (normalized if configured)."""
     if cfg.source == "synthetic":
         ds = load_synthetic(cfg, task)
+    elif cfg.source == "npz":
+        ds = load_npz(cfg, task)
     else:
         loader = {
             "digits": load_digits,
@@ -602,7 +639,7 @@ def load(cfg: Data, *, task: Task) -> Dataset:
     if cfg.normalize == "per_channel":
         if ds.task != "classify":
             raise SetupError(
-                f"data.normalize={cfg.normalize!r} applies to images; {ds.name} is token data. "
+                f"data.normalize={cfg.normalize!r} applies to images; {ds.name} is not. "
                 "Fix: data.normalize=none."
             )
         ds = normalize_per_channel(ds)

@@ -45,15 +45,25 @@ def dry_run_report(exp: Experiment) -> None:
         say(state_lib.decay_summary(state.params, cfg.optim.decay_exclude))
     else:
         say("weight decay: off (optim.weight_decay=0)")
-    local = exp.dataset.examples(np.arange(exp.global_batch) % exp.dataset.num_examples("train"))
-    batch = sharding_lib.global_batch(local, exp.batch_sharding)
+    n_train = exp.dataset.num_examples("train")
+    batch = sharding_lib.global_batch(
+        exp.dataset.examples(np.arange(exp.global_batch) % n_train), exp.batch_sharding
+    )
+    # The loss's own reports see what one backward pass holds: one micro-batch (train.grad_accum).
+    micro_bs = exp.global_batch // cfg.train.grad_accum
+    micro = sharding_lib.global_batch(
+        exp.dataset.examples(np.arange(micro_bs) % n_train), exp.batch_sharding
+    )
     loss_fn = state_lib.make_loss_fn(
-        exp.model, compute_dtype=exp.compute_dtype, has_batch_stats=exp.has_batch_stats
+        exp.model,
+        compute_dtype=exp.compute_dtype,
+        has_batch_stats=exp.has_batch_stats,
+        loss=exp.loss,
     )
     key = jax.random.key(0)
 
     def loss_of_params(params):
-        return loss_fn(params, batch_stats, batch, key)[0]
+        return loss_fn(params, batch_stats, micro, key)[0]
 
     counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
     say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
@@ -66,7 +76,9 @@ def dry_run_report(exp: Experiment) -> None:
         say(f"remat plan: {plan if plan is not None else '(the model default)'}")
     say("memory report (residuals saved for the backward pass):")
     say(str(rn.memory_report(loss_of_params, state.params)))
-    say("XLA compiled memory of the train step (per device, state donated):")
+    k = cfg.train.grad_accum
+    accum = f", {k} micro-batches of {micro_bs}" if k > 1 else ""
+    say(f"XLA compiled memory of the train step (per device, state donated{accum}):")
     # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
     peak = rn.explain_peak(exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs)
     say(str(peak.compiled))

@@ -47,8 +47,9 @@ from tqdm import tqdm
 
 import models
 from remat_nn._memory import format_bytes
-from train import autoplan, faults, integrity, multihost
+from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
+from train import losses as losses_lib
 from train import remat as remat_lib
 from train import sharding as sharding_lib
 from train import state as state_lib
@@ -58,6 +59,8 @@ from train.dry_run import dry_run_report
 from train.errors import SetupError
 from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
 from train.metrics_file import trim_metrics
+from train.profile import ProfileWindow
+from train.save_timer import SaveTimer
 from train.state import TrainState
 
 __all__ = [
@@ -94,7 +97,7 @@ class RunResult:
     Attributes:
       step: steps taken in total (including resumed ones).
       state: the final train state (device arrays); None for a dry run.
-      eval: the last evaluation (``loss``, ``accuracy``), if any.
+      eval: the last evaluation (``loss`` and the loss function's metrics), if any.
       interrupted: the signal name that stopped the run early, if any.
       run_dir: the run directory.
       resumed_from: the step restored at start, if the run resumed.
@@ -184,6 +187,7 @@ def run(
                     resumed_from=resume.step,
                     seconds=_since(t_start),
                 )
+            _warn_if_schedule_spent(exp, resume.step)
             outcome = train_loop(
                 exp,
                 ckpt,
@@ -285,6 +289,8 @@ class Experiment:
       auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
       plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
         ``variant`` may change the parameters); None otherwise.
+      loss: the :mod:`train.losses` function (``model.loss``).
+      metric_names: the metrics it reports (``accuracy`` for cross-entropy).
     """
 
     cfg: Config
@@ -309,6 +315,8 @@ class Experiment:
     out: Callable[[str], None] | None
     plan_file: Path | None = None
     auto_choice: autoplan.AutoChoice | None = None
+    loss: losses_lib.LossFn = losses_lib.cross_entropy
+    metric_names: tuple[str, ...] = ("accuracy",)
 
     @property
     def run_dir(self) -> Path:
@@ -333,6 +341,7 @@ def build_experiment(
         cache_dir = Path(cfg.train.compile_cache).expanduser().absolute()
         jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     spec = _model_spec(cfg)
+    loss = _loss(cfg, spec)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)
     # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
@@ -371,13 +380,17 @@ def build_experiment(
                 state_lib.make_init(build(None, o), tx, x_shape, seed=cfg.train.seed)
             ),
             batch={
-                k: jax.ShapeDtypeStruct((global_bs // mesh.size, *v.shape[1:]), v.dtype)
+                # one device's micro-batch: the backward the step compiles holds its activations
+                k: jax.ShapeDtypeStruct(
+                    (global_bs // mesh.size // cfg.train.grad_accum, *v.shape[1:]), v.dtype
+                )
                 for k, v in example.items()
             },
             compute_dtype=compute_dtype,
             say=say,
             model_variants=spec.variants(options) if spec.variants else None,
             write=is_main and not dry_run,
+            loss=loss,
         )
         # The chosen form (its options on the model's, its own remat if it sets one) and plan:
         # the state below (parameters, shardings, optimizer) is built from this model.
@@ -397,6 +410,7 @@ def build_experiment(
         f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "
         f"mesh {dict(mesh.shape)} on {jax.process_count()} process(es), "
         f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
+        + _accum_note(cfg.train.grad_accum, global_bs)
     )
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
@@ -407,6 +421,8 @@ def build_experiment(
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
+        grad_accum=cfg.train.grad_accum,
+        loss=loss,
     )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
@@ -418,8 +434,11 @@ def build_experiment(
     # Compiled ahead of time, once: the same executable runs every step and is checked for
     # donation before the first one.
     train_step = jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
+    metric_names = _metric_names(cfg, train_step)
     eval_step = jax.jit(
-        state_lib.make_eval_step(model, compute_dtype=compute_dtype, has_batch_stats=has_bn),
+        state_lib.make_eval_step(
+            model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
+        ),
         in_shardings=(state_sh, batch_sh, repl),
         out_shardings=repl,
         donate_argnums=2,
@@ -450,7 +469,31 @@ def build_experiment(
         out=out,
         plan_file=plan_file,
         auto_choice=choice,
+        loss=loss,
+        metric_names=metric_names,
     )
+
+
+def _loss(cfg: Config, spec: models.ModelSpec) -> losses_lib.LossFn:
+    # model.loss, else the task's: mean squared error for regression, else cross-entropy.
+    return losses_lib.resolve(
+        cfg.model.loss or ("mse" if spec.task == "regress" else "cross_entropy")
+    )
+
+
+def _metric_names(cfg: Config, train_step: Any) -> tuple[str, ...]:
+    # The loss's metrics, read off the compiled step's outputs; checkpoint.best_metric must be
+    # one of them (or the loss).
+    names = tuple(sorted(set(train_step.out_info[1]) - set(state_lib.STEP_METRICS)))
+    ranked = cfg.checkpoint.best_metric.removeprefix("eval_")
+    if cfg.checkpoint.keep_best and ranked != "loss" and ranked not in names:
+        raise SetupError(
+            f"checkpoint.best_metric={cfg.checkpoint.best_metric} ranks checkpoints by a metric "
+            f"the loss ({cfg.model.loss or 'the task default'}) does not report (it reports "
+            f"{list(names) or 'none'}). Fix: checkpoint.best_metric=eval_loss, or "
+            "checkpoint.keep_best=0."
+        )
+    return names
 
 
 def _model_spec(cfg: Config) -> models.ModelSpec:
@@ -484,6 +527,8 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
         "num_classes": dataset.num_classes,
         "vocab_size": dataset.vocab_size,
     }
+    if dataset.task == "regress":
+        from_data["num_outputs"] = dataset.num_outputs
     if dataset.task == "classify":
         from_data["image_size"] = dataset.train_x.shape[1]
         from_data["in_channels"] = dataset.train_x.shape[3]
@@ -491,7 +536,9 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
         if value is None or key not in fields:
             continue
         too_small = key in ("num_classes", "vocab_size") and opts.get(key, value) < value
-        differs = key in ("image_size", "in_channels") and opts.get(key, value) != value
+        differs = (
+            key in ("image_size", "in_channels", "num_outputs") and opts.get(key, value) != value
+        )
         if too_small or differs:
             raise SetupError(
                 f"model.options.{key}={opts[key]} does not fit the data ({dataset.name}: {value}). "
@@ -511,14 +558,31 @@ def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[st
 
 def _global_batch_size(cfg: Config, num_devices: int) -> int:
     if cfg.data.batch_size_per_device is not None:
-        return cfg.data.batch_size_per_device * num_devices
-    bs = cfg.data.batch_size or 0
-    if bs % num_devices:
-        raise SetupError(
-            f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. Fix: a "
-            f"multiple of {num_devices}, or set data.batch_size_per_device."
-        )
+        bs = cfg.data.batch_size_per_device * num_devices
+    else:
+        bs = cfg.data.batch_size or 0
+        if bs % num_devices:
+            raise SetupError(
+                f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. "
+                f"Fix: a multiple of {num_devices}, or set data.batch_size_per_device."
+            )
+    _check_grad_accum(bs, cfg.train.grad_accum, num_devices)
     return bs
+
+
+def _accum_note(k: int, global_bs: int) -> str:
+    return f" in {k} micro-batches of {global_bs // k} (train.grad_accum)" if k > 1 else ""
+
+
+def _check_grad_accum(global_bs: int, k: int, num_devices: int) -> None:
+    # Each micro-batch is split over every device like the whole batch (state.micro_batch).
+    if global_bs % (k * num_devices):
+        raise SetupError(
+            f"train.grad_accum={k} does not split the global batch of {global_bs} into "
+            f"micro-batches that split over the mesh's {num_devices} devices (needs a multiple "
+            f"of {k * num_devices}). Fix: a global batch that is a multiple of {k * num_devices}, "
+            "or another train.grad_accum."
+        )
 
 
 def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
@@ -582,10 +646,9 @@ def restore_or_init(
             "trains from step 0)."
         ) from None
     if found is None:
-        state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
-        resume = Resume()
+        state, resume = _fresh_start(exp)
         if exp.is_main:  # lines of a run killed before its first save: logged again
-            trim_metrics(exp.run_dir / "metrics.jsonl", 0)
+            trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)
     else:
         state, meta, latest = found
         if "data_state" not in meta:  # d
@@ -603,6 +666,38 @@ def restore_or_init(
     # One buffer at two leaves would be donated twice; say which leaves, before the first step.
     state_lib.check_distinct_buffers(state)
     return state, resume
+
+
+def _fresh_start(exp: Experiment) -> tuple[TrainState, Resume]:
+    # The model's init, or (init_from) another run's checkpoint taken into it.
+    state = jax.jit(exp.init, out_shardings=exp.state_shardings)()
+    source = exp.cfg.init_from
+    if source is None:
+        return state, Resume()
+    state = init_from.init_state(source, exp.abstract, state)
+    step = int(state.step)
+    exp.say(f"initialised from {init_from.source_step(source.path)} ({source.what}, step {step})")
+    return state, Resume(step=step)
+
+
+def _warn_if_schedule_spent(exp: Experiment, step: int) -> None:
+    # A resumed run whose learning rate is already 0 would take its remaining steps without
+    # changing a parameter (an extension of a run whose cosine decayed to 0).
+    cfg = exp.cfg
+    _, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
+    if step == 0 or float(schedule(step)) != 0.0 or not exp.is_main:
+        return
+    print(
+        f"WARNING: the learning rate is 0 at step {step}: the {cfg.optim.schedule} schedule "
+        f"ended at optim.schedule_steps={_schedule_steps(cfg)} with optim.final_lr_fraction="
+        f"{cfg.optim.final_lr_fraction}, so steps {step + 1}..{cfg.train.steps} will not change "
+        "the parameters. Fix: a new schedule from here in a new run directory with init_from: "
+        f"{{path: {exp.run_dir}, what: params}} (fresh optimizer state and warm-up), or "
+        "optim.final_lr_fraction > 0; a longer optim.schedule_steps would raise the lr again "
+        "mid-run.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _already_complete(cfg: Config, step: int, run_dir: Path) -> str:
@@ -677,8 +772,8 @@ class _StepMetrics:
 
 
 def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
-    """Loss and accuracy on the test split (at most ``train.eval_batches`` batches)."""
-    sums = jax.device_put(state_lib.eval_zeros(), exp.replicated)
+    """The loss and its metrics on the test split (at most ``train.eval_batches`` batches)."""
+    sums = jax.device_put(state_lib.eval_zeros(exp.metric_names), exp.replicated)
     for local in data_lib.eval_batches(
         exp.dataset,
         global_batch=exp.global_batch,
@@ -689,7 +784,7 @@ def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
         sums = exp.eval_step(state, sharding_lib.global_batch(local, exp.batch_sharding), sums)
     s = jax.device_get(sums)
     count = max(float(s["count"]), 1.0)
-    return {"loss": float(s["loss_sum"]) / count, "accuracy": float(s["correct"]) / count}
+    return {k: float(s[k]) / count for k in ("loss", *exp.metric_names)}
 
 
 class _MetricsFile:
@@ -706,6 +801,29 @@ class _MetricsFile:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+class _Tee:
+    """metrics.jsonl and the TensorBoard scalars (train.tensorboard), written together."""
+
+    def __init__(self, *logs: Any):
+        self.logs = logs
+
+    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
+        for log in self.logs:
+            log.record(split, step, values)
+
+    def close(self) -> None:
+        for log in self.logs:
+            log.close()
+
+
+def _with_tensorboard(exp: Experiment, log: _MetricsFile) -> _MetricsFile | _Tee:
+    if not (exp.is_main and exp.cfg.train.tensorboard):
+        return log
+    from train.tensorboard import TensorBoard
+
+    return _Tee(log, TensorBoard(exp.run_dir, exp.run_dir / "metrics.jsonl"))
 
 
 def train_loop(
@@ -743,8 +861,10 @@ def train_loop(
     metrics = _StepMetrics(
         halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
     )
-    log = _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main)
+    log = _with_tensorboard(exp, _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main))
     stop = multihost.StopSignals()
+    timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
+    profile = ProfileWindow(cfg.train.profile, exp.run_dir, say=exp.say)
     bar = tqdm(
         total=total,
         initial=resume.step,
@@ -760,6 +880,7 @@ def train_loop(
     try:
         while step < end:
             # ============================== step ==============================
+            profile.at(step, state)
             batch = sharding_lib.global_batch(next(batches), exp.batch_sharding)
             if step + 1 in nan_steps:
                 batch = {**batch, "x": batch["x"] * jnp.nan}
@@ -778,7 +899,8 @@ def train_loop(
             is_log = step % cfg.train.log_every == 0 or step == end or stopping
             every_eval = cfg.train.eval_every
             is_eval = step == total or bool(every_eval and step % every_eval == 0)
-            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping
+            timed = timer.due(synced=is_log)
+            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping or timed
             if is_log or is_eval or is_ckpt:
                 where = f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None else "none"
                 metrics.drain(step, last_good=where)
@@ -789,7 +911,7 @@ def train_loop(
                 rate = (step - step_log) / max(now - t_log, 1e-9)
                 line = {
                     "loss": metrics.mean("loss"),
-                    "accuracy": metrics.mean("accuracy"),
+                    **{k: metrics.mean(k) for k in exp.metric_names},
                     "grad_norm": metrics.mean("grad_norm"),
                     "lr": metrics.lr,
                     "steps_per_sec": rate,
@@ -801,19 +923,20 @@ def train_loop(
                 t_log, step_log = now, step
                 log.record("train", step, line)
                 say(
-                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | acc "
-                    f"{line['accuracy']:.3f} | lr {line['lr']:.3g} | {rate:.2f} steps/s | "
+                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | "
+                    + "".join(f"{_short(k)} {line[k]:.3f} | " for k in exp.metric_names)
+                    + f"lr {line['lr']:.3g} | {rate:.2f} steps/s | "
                     f"{rate * exp.global_batch:.0f} ex/s"
                     + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
                 )
-                bar.set_postfix(loss=f"{line['loss']:.3f}", acc=f"{line['accuracy']:.3f}")
+                bar.set_postfix(
+                    loss=f"{line['loss']:.3f}",
+                    **{_short(k): f"{line[k]:.3f}" for k in exp.metric_names},
+                )
             if is_eval:
                 last_eval = evaluate(exp, state)
                 log.record("eval", step, last_eval)
-                say(
-                    f"eval @ {step}: loss {last_eval['loss']:.4f} | accuracy "
-                    f"{last_eval['accuracy']:.4f}"
-                )
+                say(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                 t_log = time.perf_counter()  # eval time does not count against steps/s
 
             # ============================== checkpoint ==============================
@@ -823,7 +946,7 @@ def train_loop(
                 ranked = None
                 if is_eval and last_eval is not None:
                     ranked = {f"eval_{k}": v for k, v in last_eval.items()}
-                force = step == end or stopping
+                force = step == end or stopping or timed
                 if ckpt.save(
                     step,
                     state,
@@ -833,6 +956,7 @@ def train_loop(
                     force=force,
                 ):
                     last_ckpt = step
+                    timer.saved()
             if stopping:
                 interrupted = stop.agreed_name()
                 say(
@@ -841,6 +965,7 @@ def train_loop(
                 )
                 break
     finally:
+        profile.close(state)
         batches.close()
         bar.close()
         stop.restore()
@@ -861,9 +986,10 @@ def finish(
 
         exp.say(f"plot: {plot_run(exp.run_dir)}")
     if outcome.eval is not None and done:
+        key = "accuracy" if "accuracy" in outcome.eval else "loss"
         exp.say(
-            f"done: {outcome.step} steps in {seconds:.1f}s | test accuracy "
-            f"{outcome.eval['accuracy']:.4f} | run directory {exp.run_dir}"
+            f"done: {outcome.step} steps in {seconds:.1f}s | test {key} "
+            f"{outcome.eval[key]:.4f} | run directory {exp.run_dir}"
         )
     return RunResult(
         step=outcome.step,
@@ -888,6 +1014,15 @@ def _progress_enabled(cfg: Config, is_main: bool) -> bool:
     if not is_main or cfg.train.progress == "off":
         return False
     return cfg.train.progress == "on" or sys.stderr.isatty()
+
+
+def _short(metric: str) -> str:
+    return {"accuracy": "acc"}.get(metric, metric)
+
+
+def _clock() -> float:
+    # checkpoint.every_minutes' clock (tests replace it).
+    return time.monotonic()
 
 
 def _since(t: float) -> float:

@@ -35,8 +35,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not metrics.exists():
         raise FileNotFoundError(f"train.plot: no metrics.jsonl in {run_dir}; is it a run dir?")
     rows = _read(metrics)
+    # The loss, and accuracy or the loss function's first metric (train.losses).
+    fixed = {"split", "step", "loss", "grad_norm", "lr", "steps_per_sec", "examples_per_sec"}
+    named = sorted({k for r in rows.get("eval", []) for k in r} - fixed - {"epoch", "skipped"})
+    second = "accuracy" if "accuracy" in named or not named else named[0]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("loss", "accuracy"), strict=True):
+    for ax, key in zip(axes, ("loss", second), strict=True):
         for split, style in (("train", "-"), ("eval", "o-")):
             pts = [(r["step"], r[key]) for r in rows.get(split, []) if key in r]
             if pts:
@@ -46,7 +50,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend()
-    axes[1].set_ylim(0, 1.02)
+    if second == "accuracy":
+        axes[1].set_ylim(0, 1.02)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     path = Path(out) if out else run_dir / "plot.png"

@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from train import losses as losses_lib
 from train.config import Optim
 from train.sharding import per_device_bytes
 
 __all__ = [
     "DonationError",
     "TrainState",
+    "accumulated_value_and_grad",
     "check_distinct_buffers",
     "decay_mask",
     "decay_summary",
@@ -34,6 +36,8 @@ __all__ = [
     "make_init",
     "make_optimizer",
     "make_train_step",
+    "STEP_METRICS",
+    "micro_batch",
     "verify_donation",
     "verify_donated_inputs_deleted",
 ]
@@ -203,20 +207,18 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     )
 
 
-def _loss_and_accuracy(logits: jax.Array, labels: jax.Array, weights: jax.Array | None):
-    # logits (..., K) float32, labels (...) int32, weights (...) or None: sums and count.
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-    if weights is None:
-        weights = jnp.ones_like(losses)
-    return (losses * weights).sum(), (correct * weights).sum(), weights.sum()
+def make_loss_fn(
+    model: fnn.Module,
+    *,
+    compute_dtype: Any,
+    has_batch_stats: bool,
+    loss: losses_lib.LossFn = losses_lib.cross_entropy,
+) -> Callable:
+    """``loss_fn(params, batch_stats, batch, key) -> (loss, (metrics, new_batch_stats))``.
 
-
-def make_loss_fn(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool) -> Callable:
-    """``loss_fn(params, batch_stats, batch, key) -> (loss, (accuracy, new_batch_stats))``.
-
-    With ``compute_dtype=bfloat16`` the float32 master weights and float inputs are cast to
-    bfloat16 for the forward and backward; the loss, gradients and update stay float32.
+    ``loss`` is a :mod:`train.losses` function; the loss and each metric are batch means. With
+    ``compute_dtype=bfloat16`` the float32 master weights and float inputs are cast to bfloat16
+    for the forward and backward; the loss, gradients and update stay float32.
     """
 
     def loss_fn(params, batch_stats, batch, key):
@@ -233,13 +235,73 @@ def make_loss_fn(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool
             rngs={"dropout": key},
             mutable=["batch_stats"] if has_batch_stats else False,
         )
-        logits, new_vars = out if has_batch_stats else (out, {})
-        loss_sum, correct, count = _loss_and_accuracy(logits.astype(jnp.float32), batch["y"], None)
+        outputs, new_vars = out if has_batch_stats else (out, {})
+        per_example, metrics = loss(outputs.astype(jnp.float32), batch["y"])
         new_stats = new_vars.get("batch_stats", batch_stats)
         new_stats = jax.tree.map(lambda n, o: n.astype(o.dtype), new_stats, batch_stats)
-        return loss_sum / count, (correct / count, new_stats)
+        means = {k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()}
+        return jnp.mean(per_example), (means, new_stats)
 
     return loss_fn
+
+
+def micro_batch(batch: dict[str, jax.Array], i: jax.Array | int, k: int) -> dict[str, jax.Array]:
+    """Micro-batch ``i`` of ``k`` of ``batch`` (leaves (B, ...)): rows i, i+k, i+2k, ...
+
+    Strided rather than contiguous, so each micro-batch takes B/(k n) rows from each of the n
+    devices the batch axis is split over: no data moves between devices. The (B/k, k, ...)
+    view is a reshape, and each micro-batch is read from it in place (no transposed copy of the
+    batch).
+
+    >>> micro_batch({"x": jnp.arange(6)}, 1, 2)["x"].tolist()
+    [1, 3, 5]
+    """
+
+    def rows(v: jax.Array) -> jax.Array:
+        strided = v.reshape(v.shape[0] // k, k, *v.shape[1:])  # (B/k, k, ...)
+        return jax.lax.dynamic_index_in_dim(strided, i, axis=1, keepdims=False)
+
+    return jax.tree.map(rows, batch)
+
+
+def accumulated_value_and_grad(loss_fn: Callable, k: int) -> Callable:
+    """``jax.value_and_grad(loss_fn, has_aux=True)`` over ``k`` micro-batches in a ``lax.scan``.
+
+    ``loss_fn(params, batch_stats, batch, key) -> (loss, (metrics, batch_stats))`` must return
+    batch *means*: the mean of k equal micro-batch means is then the whole batch's mean, so
+    loss, metrics and gradient equal one pass over the k-times larger batch up to float
+    rounding (the sums are taken in another order), while the backward holds one micro-batch's
+    activations. Exact for models whose output for an example does not depend on the other
+    examples: BatchNorm normalises each micro-batch by its own statistics and updates its
+    running statistics k times (as in every trainer that accumulates), and dropout draws its
+    masks per micro-batch (key folded with the micro-batch index).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        return grad_fn
+
+    def accumulated(params, batch_stats, batch, key):
+        def body(carry, i):
+            sums, stats, grad_sum = carry  # sums: (loss, metrics) summed over micro-batches
+            micro, key_i = micro_batch(batch, i, k), jax.random.fold_in(key, i)
+            (loss, (metrics, stats)), grads = grad_fn(params, stats, micro, key_i)
+            sums = jax.tree.map(jnp.add, sums, (loss, metrics))
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (sums, stats, grad_sum), None
+
+        # The sums start as zeros shaped like one micro-batch's (loss, metrics).
+        shapes = jax.eval_shape(grad_fn, params, batch_stats, micro_batch(batch, 0, k), key)[0]
+        sums = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[0], shapes[1][0]))
+        init = (sums, batch_stats, jax.tree.map(jnp.zeros_like, params))
+        ((loss_sum, metric_sums), stats, grad_sum), _ = jax.lax.scan(body, init, jnp.arange(k))
+        mean = lambda t: jax.tree.map(lambda x: x / k, t)
+        return (loss_sum / k, (mean(metric_sums), stats)), mean(grad_sum)
+
+    return accumulated
+
+
+#: The train step's own metrics; the loss function's join them.
+STEP_METRICS = ("loss", "grad_norm", "lr", "finite")
 
 
 def make_train_step(
@@ -250,21 +312,33 @@ def make_train_step(
     compute_dtype: Any = jnp.float32,
     has_batch_stats: bool,
     skip_nonfinite: bool = False,
+    grad_accum: int = 1,
+    loss: losses_lib.LossFn = losses_lib.cross_entropy,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """``step(state, batch) -> (new_state, metrics)``; jit it with ``donate_argnums=0``.
 
-    Metrics (device scalars): loss, accuracy, grad_norm, lr, finite (loss, gradient norm and
+    Metrics (device scalars): loss, the loss function's metrics (accuracy for cross-entropy),
+    grad_norm, lr, finite (loss, gradient norm and
     update norm are finite). With ``skip_nonfinite`` a non-finite step leaves params, optimizer
-    state and batch stats unchanged (the step counter and rng still advance).
+    state and batch stats unchanged (the step counter and rng still advance). With
+    ``grad_accum=k`` the gradient is the mean of k micro-batch gradients (see
+    :func:`accumulated_value_and_grad`): one optimizer update per step, as for the whole batch.
     """
-    loss_fn = make_loss_fn(model, compute_dtype=compute_dtype, has_batch_stats=has_batch_stats)
+    loss_fn = make_loss_fn(
+        model, compute_dtype=compute_dtype, has_batch_stats=has_batch_stats, loss=loss
+    )
+    grad_fn = accumulated_value_and_grad(loss_fn, grad_accum)
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (accuracy, batch_stats)), grads = grad_fn(
+        (loss, (loss_metrics, batch_stats)), grads = grad_fn(
             state.params, state.batch_stats, batch, key
         )
+        if clash := sorted(set(loss_metrics) & set(STEP_METRICS)):
+            raise ValueError(
+                f"the loss function's metrics {clash} have the names of the train step's own "
+                f"{list(STEP_METRICS)}. Fix: rename them in the loss function (model.loss)."
+            )
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -286,7 +360,7 @@ def make_train_step(
         )
         metrics = {
             "loss": loss,
-            "accuracy": accuracy,
+            **loss_metrics,
             "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "finite": finite,
@@ -296,9 +370,15 @@ def make_train_step(
     return step
 
 
-def make_eval_step(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bool) -> Callable:
-    """``eval_step(state, batch, sums) -> sums``: adds the masked batch's loss sum, correct
-    predictions and example count to ``sums`` (start from :func:`eval_zeros`)."""
+def make_eval_step(
+    model: fnn.Module,
+    *,
+    compute_dtype: Any,
+    has_batch_stats: bool,
+    loss: losses_lib.LossFn = losses_lib.cross_entropy,
+) -> Callable:
+    """``eval_step(state, batch, sums) -> sums``: adds the masked batch's sums of the loss and of
+    each metric, and its example count, to ``sums`` (start from :func:`eval_zeros`)."""
 
     def eval_step(state: TrainState, batch: dict[str, jax.Array], sums: dict[str, jax.Array]):
         variables = {"params": _cast_floats(state.params, compute_dtype)}
@@ -307,20 +387,19 @@ def make_eval_step(model: fnn.Module, *, compute_dtype: Any, has_batch_stats: bo
         x = batch["x"]
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
-        logits = model.apply(variables, x, train=False).astype(jnp.float32)
-        loss_sum, correct, count = _loss_and_accuracy(logits, batch["y"], batch["mask"])
-        return {
-            "loss_sum": sums["loss_sum"] + loss_sum,
-            "correct": sums["correct"] + correct,
-            "count": sums["count"] + count,
-        }
+        outputs = model.apply(variables, x, train=False).astype(jnp.float32)
+        per_example, metrics = loss(outputs, batch["y"])
+        w = batch["mask"]  # (B,) or (B, T) like the losses: 0 on padding rows
+        new = {"loss": per_example, **metrics}
+        out = {k: sums[k] + jnp.sum(v.astype(jnp.float32) * w) for k, v in new.items()}
+        return {**out, "count": sums["count"] + jnp.sum(w)}
 
     return eval_step
 
 
-def eval_zeros() -> dict[str, np.ndarray]:
-    """The starting sums of :func:`make_eval_step`."""
-    return {k: np.zeros((), np.float32) for k in ("loss_sum", "correct", "count")}
+def eval_zeros(metric_names: Sequence[str] = ("accuracy",)) -> dict[str, np.ndarray]:
+    """The starting sums of :func:`make_eval_step` for a loss with these metrics."""
+    return {k: np.zeros((), np.float32) for k in ("loss", *metric_names, "count")}
 
 
 # --- donation -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ __all__ = ["cross_section_errors", "registry_errors", "registry_inputs"]
 
 _LM_SOURCES = {"text", "corpus", "tokens", "synthetic"}
 _IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
+_TABLE_SOURCES = {"npz", "synthetic"}
 
 
 def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tuple[str, str]]]:
@@ -83,7 +84,7 @@ def registry_errors(
                 if autoplan.is_auto(remat):
                     msg = f"policy: auto hands the model a remat plan, which it refuses: {msg}"
             errors.append((path, msg))
-    allowed = _LM_SOURCES if spec.task == "lm" else _IMAGE_SOURCES
+    allowed = {"lm": _LM_SOURCES, "regress": _TABLE_SOURCES}.get(spec.task, _IMAGE_SOURCES)
     if source is not None and source not in allowed:
         errors.append(
             (

@@ -30,6 +30,15 @@ def _type_name(ann: Any) -> str:
     return "null" if ann is type(None) else getattr(ann, "__name__", str(ann))
 
 
+def _optional_section(ann: Any) -> type[pydantic.BaseModel] | None:
+    # `Section | None` -> Section
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if typing.get_origin(ann) in (typing.Union, types.UnionType) and len(args) == 1:
+        if isinstance(args[0], type) and issubclass(args[0], pydantic.BaseModel):
+            return args[0]
+    return None
+
+
 def describe_options() -> str:
     """Every config option with its type, default and meaning, and whether a resume may change it.
 
@@ -49,14 +58,18 @@ def describe_options() -> str:
                 walk(ann, f"{prefix}{name}.")
                 continue
             default = field.get_default(call_default_factory=True)
+            shown = "required" if field.is_required() else f"default {default!r}"
             safe = f" {_SAFE}" if is_resume_safe(prefix + name) else ""
-            lines.append(f"  {prefix}{name}: {_type_name(ann)} (default {default!r}){safe}")
+            lines.append(f"  {prefix}{name}: {_type_name(ann)} ({shown}){safe}")
             if field.description:
                 lines.extend(
                     textwrap.wrap(
                         field.description, 96, initial_indent=" " * 6, subsequent_indent=" " * 6
                     )
                 )
+            nested = _optional_section(ann)
+            if nested is not None:  # an optional section (init_from): its keys too
+                walk(nested, f"{prefix}{name}.")
 
     walk(Config, "")
     return "\n".join(lines)

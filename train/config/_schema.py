@@ -29,9 +29,11 @@ __all__ = [
     "Config",
     "Data",
     "Distributed",
+    "InitFrom",
     "Mesh",
     "Model",
     "Optim",
+    "Profile",
     "Synthetic",
     "Tokens",
     "Train",
@@ -83,10 +85,18 @@ class Model(_Section):
         "itself); importable from the working directory or PYTHONPATH. See README 'Train your "
         "model'",
     )
-    task: Literal["classify", "lm"] | None = Field(
+    task: Literal["classify", "lm", "regress"] | None = Field(
         None,
-        description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)) or "
-        "lm (int32 tokens (B, T) -> logits (B, T, vocab)); default classify",
+        description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)), "
+        "lm (int32 tokens (B, T) -> logits (B, T, vocab)) or regress (float features (B, F) -> "
+        "predictions (B, num_outputs); data: synthetic or npz); default classify",
+    )
+    loss: str | None = Field(
+        None,
+        description="the loss minimised: cross_entropy (metric accuracy), mse (metric mae) or "
+        "'package.module:function', where function(outputs, targets) -> (per-example losses, "
+        "{metric: per-example values}); default: mse for model.task=regress, else "
+        "cross_entropy. See README 'Train your model'",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -139,6 +149,12 @@ class Synthetic(_Section):
     )
     num_classes: PositiveInt = Field(10, description="classes, classification only")
     vocab_size: PositiveInt = Field(256, description="token ids, language modelling only")
+    features: PositiveInt = Field(
+        8, description="regression only (model.task=regress): features per example"
+    )
+    outputs: PositiveInt = Field(
+        1, description="regression only: targets per example (x @ w + 0.1 noise)"
+    )
 
 
 class Tokens(_Section):
@@ -255,6 +271,15 @@ class Optim(_Section):
     clip_norm: PositiveFinite | None = Field(None, description="clip gradients to this global norm")
 
 
+class Profile(_Section):
+    """A ``jax.profiler`` trace of a window of train steps (``train.profile``)."""
+
+    start: NonNegativeInt = Field(
+        description="steps taken before the trace starts (a run resumed past it is not traced)"
+    )
+    steps: PositiveInt = Field(3, description="steps traced")
+
+
 class Train(_Section):
     """Length of the run, logging, evaluation, precision and failure handling."""
 
@@ -274,6 +299,14 @@ class Train(_Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the forward/backward; master weights stay float32"
     )
+    grad_accum: PositiveInt = Field(
+        1,
+        description="gradient accumulation: each step splits the global batch into this many "
+        "micro-batches, runs forward and backward on one at a time (lax.scan) and applies the "
+        "mean gradient once: the update of the whole batch with one micro-batch's activation "
+        "memory (BatchNorm sees micro-batch statistics). data.batch_size / grad_accum must "
+        "split over the mesh's devices",
+    )
     on_nonfinite: Literal["halt", "skip"] = Field(
         "halt",
         description="NaN/Inf loss or gradient: halt keeping the last good checkpoint, or skip "
@@ -291,6 +324,18 @@ class Train(_Section):
         "auto", description="tqdm progress bar (auto: only on a TTY)"
     )
     plot: bool = safe_field(True, description="write plot.png of the curves at the end")
+    profile: Profile | None = safe_field(
+        None,
+        description="{start: N, steps: M}: a jax.profiler trace of steps N+1..N+M in "
+        "<run_dir>/profile, for TensorBoard's profile tab or the Perfetto UI "
+        "(perfetto_trace.json.gz); see README 'Trainer features'",
+    )
+    tensorboard: bool = safe_field(
+        True,
+        description="also write the metrics as TensorBoard scalars to <run_dir>/tensorboard "
+        "(rebuilt from metrics.jsonl when a run starts, so a resumed run continues one stream); "
+        "view with tensorboard --logdir <run_dir>/tensorboard",
+    )
     compile_cache: str | None = safe_field(
         "~/.cache/remat_nn/jax",
         description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
@@ -303,6 +348,12 @@ class Checkpoint(_Section):
     """Orbax checkpointing of the whole train state and the data position."""
 
     every: PositiveInt = Field(100, description="steps between checkpoints (and at the end)")
+    every_minutes: PositiveFinite | None = Field(
+        None,
+        description="also checkpoint when this many minutes of wall time have passed since the "
+        "last save (or the start); checked after each step (with several processes: at log "
+        "steps, on process 0's clock). null: by steps only",
+    )
     keep: PositiveInt = Field(3, description="keep the last K checkpoints")
     keep_best: NonNegativeInt = Field(
         0, description="also keep the best K by best_metric (0 = off); needs train.eval_every"
@@ -344,6 +395,22 @@ class Distributed(_Section):
     )
 
 
+class InitFrom(_Section):
+    """Start a fresh run from another run's checkpoint (ignored once this run has saved)."""
+
+    path: UserPath = Field(
+        description="the source: a run directory, its checkpoints/ directory (the newest "
+        "finished step is taken) or one step directory (~ is the home directory)"
+    )
+    what: Literal["params", "all"] = Field(
+        "params",
+        description="params: the model's parameters and BatchNorm statistics, with a fresh "
+        "optimizer state, step 0 and this run's rng (fine-tuning); all: the whole train state "
+        "(optimizer state, step and rng too), so the run goes on at the source's step on its "
+        "schedule, with this run's data order from its start",
+    )
+
+
 class Config(_Section):
     """A whole run. Sections: model, remat, data, optim, train, checkpoint, mesh, distributed."""
 
@@ -364,6 +431,11 @@ class Config(_Section):
     optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
     train: Train = Field(default_factory=Train)  # type: ignore[arg-type]
     checkpoint: Checkpoint = safe_field(default_factory=Checkpoint)  # type: ignore[arg-type]
+    init_from: InitFrom | None = Field(
+        None,
+        description="{path: ..., what: params|all}: initialise a fresh run from another run's "
+        "checkpoint instead of the model's init (see init_from.path, init_from.what)",
+    )
     mesh: Mesh = Field(default_factory=Mesh)  # type: ignore[arg-type]
     distributed: Distributed = safe_field(default_factory=Distributed)  # type: ignore[arg-type]
 
