@@ -1,0 +1,229 @@
+"""rn.invertible in floating point and machine integers (issue #29).
+
+Every inversion is exact for the values at hand (integer rules only where they are bijections
+modulo 2^n), bounded at run time (floating inverses, against the rebuilt tensor's scale), or
+refused: never a silently wrong gradient. Also: strictness (``known_argnums``; a kept data input
+is an error unless ``fallback="recompute"``), forward mode, zero-size shapes, loops over values
+that carry no cotangent. Each class of failure of the issue has a test here that failed before.
+
+Run: python -m pytest tests/test_invertible_numerics.py -q -p no:xdist
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import remat_nn as rn
+from tests.gradients import rel_err
+
+# A failed run-time check arrives as NotInvertibleError, or (under jit) inside a runtime error.
+REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
+
+
+def _vjp(f, *args):
+    """The VJP of ``f`` at ``args`` with cotangents cos(y) (nonzero, different per element)."""
+    y, pullback = jax.vjp(f, *args)
+    cts = jax.tree.map(lambda v: jnp.cos(v) if jnp.issubdtype(v.dtype, jnp.inexact) else None, y)
+    cts = jax.tree.map(
+        lambda v, c: c if c is not None else np.zeros(v.shape, jax.dtypes.float0), y, cts,
+        is_leaf=lambda c: c is None,
+    )
+    return pullback(cts)
+
+
+def _float_leaves(tree):
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _matches(f, *args, tol=1e-5, **kw):
+    """rel_err of rn.invertible(f)'s VJP against jax.vjp's (float leaves)."""
+    got = _float_leaves(_vjp(rn.invertible(f, **kw), *args))
+    want = _float_leaves(_vjp(f, *args))
+    return rel_err(got, want) < tol
+
+
+# --- 1. domains: integer rules only where they are bijections ------------------------------------
+
+
+def test_unsigned_floor_division_is_not_inverted():
+    """`k // 2` rebuilt as 2 * (k // 2) lost k's low bit (err 0.24)."""
+
+    def f(x, k):
+        return x * k.astype(jnp.float32), k // 2
+
+    x, k = jnp.linspace(0.5, 1.5, 4), jnp.array([3, 5, 7, 9], jnp.uint32)
+    assert _matches(f, x, k, fallback="recompute")
+    with pytest.raises(rn.NotInvertibleError, match=r"`div`.*uint32"):
+        _vjp(rn.invertible(f), x, k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
+def test_wrapping_integer_mul_by_an_even_constant_is_not_inverted(dtype):
+    """`k * 4` with k near 2^30 wraps: k / 4 is not k (err 1.0)."""
+
+    def f(x, k):
+        return x * k.astype(jnp.float32), k * 4
+
+    x, k = jnp.linspace(0.5, 1.5, 3), jnp.array([2**30 + 1, 2**30 + 7, 5], dtype)
+    assert _matches(f, x, k, fallback="recompute")
+    with pytest.raises(rn.NotInvertibleError, match=r"`mul`"):
+        _vjp(rn.invertible(f), x, k)
+
+
+def test_an_lcg_state_in_a_scan_carry_is_not_inverted():
+    """A uint32 linear-congruential RNG state in a scan carry (err 0.18)."""
+
+    def f(x, s):
+        def body(c, _):
+            x, s = c
+            s = s * jnp.uint32(1664525 * 4) + jnp.uint32(1013904223)
+            return (x + (s >> 24).astype(jnp.float32), s), None
+
+        return lax.scan(body, (x, s), length=3)[0]
+
+    x, s = jnp.linspace(0.5, 1.5, 3), jnp.array([12345, 777, 2**31 + 5], jnp.uint32)
+    assert _matches(f, x, s, fallback="recompute")
+    with pytest.raises(rn.NotInvertibleError, match=r"`scan`"):
+        _vjp(rn.invertible(f), x, s)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.int8])
+def test_wrapping_integer_mul_by_an_odd_constant_is_inverted_exactly(dtype):
+    """Multiplying by an odd constant is a bijection modulo 2^n: rebuilt by its inverse."""
+
+    def f(x, k):
+        return x * k.astype(jnp.float32), k * 3
+
+    big = np.iinfo(dtype).max - 3
+    x, k = jnp.linspace(0.5, 1.5, 3), jnp.array([big, 7, 1], dtype)
+    report = rn.inversion_report(rn.invertible(f), x, k)
+    assert report.invertible, str(report)
+    assert _matches(f, x, k)
+    (_, k_back), _ = rn.invertible(f).reconstruct(x, k)
+    np.testing.assert_array_equal(k_back, k)
+
+
+def test_an_integer_rebuilt_from_a_float_is_rounded_not_truncated():
+    """uint8 k / 100: k rebuilt as (k / 100 * 100) truncated to uint8 (err 0.17)."""
+
+    def f(x, k):
+        q = k.astype(jnp.float32) / 100.0
+        return x * q, q
+
+    x, k = jnp.linspace(0.5, 1.5, 4), jnp.array([53, 59, 105, 255], jnp.uint8)  # k / 100 * 100 < k
+    (_, k_back), _ = rn.invertible(f).reconstruct(x, k)
+    np.testing.assert_array_equal(k_back, k)
+    assert _matches(f, x, k)
+
+
+@pytest.mark.parametrize("op", [jnp.exp, jnp.sinh])
+def test_complex_exp_and_sinh_are_not_inverted(op):
+    """The principal branch picks another preimage (err 0.99 / 0.37); exp with a negative real
+    part was refused as 'exp underflowed to 0'."""
+    z = jnp.array([-2.0 + 4.0j, 0.5 + 4.0j], jnp.complex64)
+    assert _matches(op, z, fallback="recompute")
+    with pytest.raises(rn.NotInvertibleError, match=f"`{op.__name__}`.*complex64"):
+        _vjp(rn.invertible(op), z)
+
+
+# --- 5. crashes where jax.grad works ------------------------------------------------------------
+
+
+def test_zero_size_broadcast():
+    def f(x):
+        return x + 1.0, jnp.broadcast_to(x, (0, 3)) * 2.0
+
+    assert _matches(f, jnp.linspace(0.5, 1.5, 3))
+
+
+def test_zero_size_operand():
+    def f(x, y):
+        return jnp.concatenate([x, y]) * 2.0
+
+    assert _matches(f, jnp.zeros((0,)), jnp.linspace(0.5, 1.5, 3))
+
+
+_C = jnp.linspace(0.5, 1.5, 3)
+
+
+def _loop(init):
+    return lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 2.0), (0, init))[1]
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: x * 2.0 + _loop(_C),  # a closed-over constant
+        lambda x: x * 2.0 + _loop(lax.stop_gradient(x)),
+        lambda x: x * 2.0 + jnp.sin(_loop(lax.stop_gradient(x) + _C)),
+    ],
+    ids=["constant", "stop_gradient", "stop_gradient_plus_constant"],
+)
+def test_a_while_loop_over_values_without_cotangent(f):
+    assert _matches(f, jnp.linspace(0.5, 1.5, 3))
+    x = jnp.linspace(0.5, 1.5, 3)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(rn.invertible(f)(x)))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x)
+    assert rel_err(got, want) < 1e-6
+
+
+def _coupling(x1, x2, w):
+    y1 = x1 + jnp.tanh(x2 @ w)
+    return y1, x2 + jnp.tanh(y1 @ w)
+
+
+def test_forward_mode_runs_the_functions_own_jvp():
+    x, w = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), 0.3 * jnp.eye(3)
+    f = rn.invertible(_coupling)
+    out, tangent = jax.jvp(f, (x, x, w), (x, 2 * x, w))
+    want_out, want_tangent = jax.jvp(_coupling, (x, x, w), (x, 2 * x, w))
+    assert rel_err((out, tangent), (want_out, want_tangent)) < 1e-6
+    g = rn.invertible(lambda x: jnp.exp(x) * 2.0)
+    assert rel_err(jax.jacfwd(g)(x[0]), jax.jacfwd(lambda x: jnp.exp(x) * 2.0)(x[0])) < 1e-6
+    _, lin = jax.linearize(f, x, x, w)
+    assert rel_err(lin(x, x, w), jax.jvp(_coupling, (x, x, w), (x, x, w))[1]) < 1e-6
+
+
+def test_rsqrt_of_a_large_finite_value():
+    """rsqrt(1e38) was refused (1 / (y * y) underflowed to 1/0) though its gradient is finite."""
+    x = jnp.array([1e38, 3e37, 2.0], jnp.float32)
+    assert _matches(lax.rsqrt, x)
+
+
+# --- 4. strictness ------------------------------------------------------------------------------
+
+
+def test_a_data_input_the_outputs_do_not_determine_is_an_error():
+    """The prototype raised; this kept x silently (the report listed it)."""
+    f = lambda x: jnp.sin(jnp.exp(x))  # noqa: E731
+    x = jnp.linspace(0.5, 1.5, 3)
+    with pytest.raises(rn.NotInvertibleError, match=r"args\[0\].*`sin`"):
+        rn.invertible(f)(x)
+    assert _matches(f, x, fallback="recompute")
+    assert rn.inversion_report(rn.invertible(f, fallback="recompute"), x).data_inputs == (
+        "args[0]",
+    )
+
+
+def test_known_argnums_declares_the_weights():
+    x, w = jnp.linspace(0.5, 1.5, 6).reshape(2, 3), 0.3 * jnp.eye(3)
+    assert _matches(_coupling, x, x, w, known_argnums=2)
+    assert _matches(_coupling, x, x, w, known_argnames="w")
+    # an argument that is not declared known and that the outputs do not determine
+    with pytest.raises(rn.NotInvertibleError, match=r"args\[1\].*`sin`"):
+        rn.invertible(lambda w, x: jnp.sin(x) @ w, known_argnums=0)(w, x)
+    # a weight that is not declared is not determined either
+    with pytest.raises(rn.NotInvertibleError, match=r"args\[2\].*`tanh`"):
+        rn.invertible(_coupling, known_argnums=())(x, x, w)
+    assert _matches(lambda w, x: jnp.sin(x) @ w, w, x, known_argnums=0, fallback="recompute")
+
+
+def test_known_argnums_is_validated():
+    with pytest.raises(ValueError, match="known_argnums"):
+        rn.invertible(_coupling, known_argnums=5)(jnp.ones(3), jnp.ones(3), jnp.eye(3))
+    with pytest.raises(ValueError, match="known_argnames.*'v'"):
+        rn.invertible(_coupling, known_argnames="v")
