@@ -18,6 +18,8 @@ import pytest
 from jax import lax
 
 import remat_nn as rn
+from remat_nn.invertible import _primitive_rules
+from remat_nn.invertible._primitive_rules import KINDS
 from tests.gradients import rel_err
 
 # A failed run-time check arrives as NotInvertibleError, or (under jit) inside a runtime error.
@@ -319,6 +321,13 @@ _W = 0.5 * jnp.eye(3) + 0.1
         ("asinh_huge", lambda x: jnp.arcsinh(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
         ("log_huge", lambda x: jnp.log(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
         ("near_zero_beside_large", lambda x: jnp.exp(x), (jnp.array([1e-9, 1.0, 2.0]),), "match"),
+        # the edge of each remaining floating rule's domain
+        ("expm1_saturated", lambda x: jnp.expm1(x), (jnp.array([-20.0, -19.0, -18.0]),), "refused"),
+        ("exp2_near_1", lambda x: jnp.exp2(x), (jnp.full(3, 1e-6),), "refused"),
+        ("log1p_huge", lambda x: jnp.log1p(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
+        ("sqrt_f16_underflow", lambda x: jnp.sqrt(x), (jnp.full(3, 1e-7, jnp.float16),), "refused"),
+        ("cbrt_f16_underflow", lambda x: jnp.cbrt(x), (jnp.full(3, 1e-7, jnp.float16),), "refused"),
+        ("sub_big_branch", lambda x, b: (1e5 * jnp.tanh(b) - x, b), (_X, _X), "refused"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -336,3 +345,63 @@ def test_the_tolerance_is_adjustable():
     assert _exact_or_refused(f, *args, tol=1e-4, rtol=1e-4) == "match"
     with pytest.raises(ValueError, match="rtol"):
         rn.invertible(f, rtol=0.0)
+
+
+# --- 1. domains, per rule ---------------------------------------------------------------------
+
+_REAL, _INEXACT, _BITS = {"float"}, {"float", "complex"}, {"signed", "unsigned", "bool"}
+_ALL, _RING = set(KINDS), {"float", "complex", "signed", "unsigned"}
+DOMAINS = {
+    **dict.fromkeys(["add", "add_any", "sub", "neg", "mul"], _RING),
+    "div": _INEXACT,
+    **dict.fromkeys(["xor", "not"], _BITS),
+    **dict.fromkeys(
+        ["exp", "exp2", "expm1", "log", "log1p", "sqrt", "rsqrt", "cbrt", "sinh", "asinh"], _REAL
+    ),
+    **dict.fromkeys(
+        [
+            "copy", "name", "stop_gradient", "sharding_constraint", "device_put",
+            "optimization_barrier", "reshape", "squeeze", "transpose", "rev", "broadcast_in_dim",
+            "concatenate", "split", "pad", "convert_element_type", "bitcast_convert_type",
+        ],
+        _ALL,
+    ),
+}  # fmt: skip
+_EXAMPLE = {
+    "float": jnp.float32,
+    "complex": jnp.complex64,
+    "signed": jnp.int32,
+    "unsigned": jnp.uint32,
+    "bool": jnp.bool_,
+}
+
+
+def test_every_rule_states_its_domain():
+    """The documented domain of each registered rule (a widened one fails here)."""
+    got = {p.name: set(r.kinds) for p, r in _primitive_rules.registered().items()}
+    assert got == DOMAINS
+
+
+@pytest.mark.parametrize("prim", sorted(DOMAINS))
+def test_a_rule_is_never_applied_outside_its_domain(prim):
+    rule = next(r for p, r in _primitive_rules.registered().items() if p.name == prim)
+    if rule.check is not None:  # its check needs the equation's params: covered by programs
+        return
+    for kind, dtype in _EXAMPLE.items():
+        aval = jax.ShapeDtypeStruct((3,), dtype)
+        reason = rule.why_not({}, [aval, aval], (0,))
+        assert (reason is None) == (kind in DOMAINS[prim]), (kind, reason)
+
+
+def test_an_integer_factor_must_be_an_odd_constant():
+    def f(x, k, c):
+        return x * jnp.sin(k.astype(jnp.float32)), k * c
+
+    x, k = jnp.linspace(0.5, 1.5, 3), jnp.array(7, jnp.int32)
+    report = rn.inversion_report(f, x, k, jnp.int32(3))  # a traced factor, even if odd
+    assert [n for n, _ in report.stored_inputs] == ["args[1]"], str(report)  # k kept, not rebuilt
+    rule = _primitive_rules.lookup(jax.extend.core.primitives.mul_p)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    assert rule.outside_domain([i32, np.int32(3)], (0,)) is None
+    assert "odd constant" in rule.outside_domain([i32, np.int32(4)], (0,))
+    assert "odd constant" in rule.outside_domain([i32, i32], (0,))

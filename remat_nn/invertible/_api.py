@@ -400,18 +400,30 @@ def invertible(
         operand that may hold 0, ``log`` of an ``exp`` that may have underflowed):
         ``"error"`` (default) inverts and checks the values at run time, stopping with an error
         naming the primitive and line if information was lost (never a non-finite gradient);
-        ``"recompute"`` never uses them, keeping the input instead and recomputing.
+        ``"recompute"`` never uses them, keeping the input instead and recomputing. Also
+        strictness: with ``"error"`` an argument that is not a weight and that the outputs do
+        not determine raises :class:`NotInvertibleError` naming the equation that hides it;
+        with ``"recompute"`` it is kept.
       static_argnums: positions of arguments that are Python values (``train=True``), not
         traced; they must be hashable. As in ``jax.jit``.
       static_argnames: names of such arguments.
+      known_argnums: positions of the arguments that are weights (kept, never rebuilt);
+        every other argument must then be rebuilt from the outputs (see ``fallback``).
+        Default None: weights are inferred (``rn.inversion_report`` shows which).
+      known_argnames: names of such arguments.
+      rtol: tolerance of every floating inversion's run-time error bound, relative to the
+        rebuilt tensor's max |value| (never below 8 ulps of its dtype); exceeding it stops
+        the backward with an error naming the primitive and line.
 
     Returns:
       An :class:`Invertible` callable with ``fun``'s signature, or a decorator if ``fun`` is
       omitted (``@rn.invertible(static_argnames="train")``).
 
     Raises:
-      ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, or a static argument is
-        out of range.
+      ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, a static or known argument
+        is out of range or not a parameter, or ``rtol`` is not in (0, 1).
+      NotInvertibleError: (at the call) with ``fallback="error"``, an argument that is not a
+        weight is not determined by the outputs.
       TypeError: ``fun`` is not callable, or a static argument is not hashable.
 
     >>> import jax, jax.numpy as jnp, remat_nn as rn
