@@ -413,8 +413,10 @@ def test_a_constant_zero_factor_keeps_the_input_instead_of_failing_at_run_time()
     x = jnp.linspace(0.1, 1.0, 4)
     report = rn.inversion_report(f, x)
     assert report.data_inputs == ("args[0]",) and report.checked == (), str(report)
-    g_inv, g_ref = grads(f, x)
+    g_inv, g_ref = grads(f, x, fallback="recompute")
     assert rel_err(g_inv, g_ref) < 1e-6
+    with pytest.raises(rn.NotInvertibleError, match=r"args\[0\]"):  # strict by default
+        grads(f, x)
 
 
 @pytest.mark.parametrize(
@@ -473,7 +475,8 @@ def test_statement_order_does_not_change_the_analysis(small, fallback):
 
 
 def test_the_prototypes_examples_are_accepted():
-    """JAX's `@invertible` prototype accepts these; rn.invertible rejected both."""
+    """JAX's `@invertible` prototype accepts these (storing x); rn.invertible rejected both.
+    x is not determined by the outputs: kept with fallback="recompute", an error by default."""
 
     def f(x):
         return jnp.exp(x) * 4.0 * x
@@ -485,8 +488,10 @@ def test_the_prototypes_examples_are_accepted():
     report = rn.inversion_report(g, x, 2.0 * x)
     assert [n for n, _ in report.stored_inputs] == ["args[0]"], str(report)  # y is rebuilt
     for fun, args in ((f, (x,)), (g, (x, 2.0 * x))):
-        g_inv, g_ref = grads(fun, *args, argnums=tuple(range(len(args))))
+        g_inv, g_ref = grads(fun, *args, argnums=tuple(range(len(args))), fallback="recompute")
         assert rel_err(g_inv, g_ref) < 1e-6
+        with pytest.raises(rn.NotInvertibleError, match=r"args\[0\]"):
+            grads(fun, *args)
 
 
 def _one_bad_op(x1, x2, w):
@@ -500,6 +505,10 @@ def _one_bad_op(x1, x2, w):
 def test_a_non_invertible_op_keeps_the_least_input_never_an_intermediate(small, fallback):
     p, w = small
     args = (p["a"], p["b"], w["f"])
+    if fallback == "error":  # strict: x1 is not determined by the outputs, `sin` hides it
+        with pytest.raises(rn.NotInvertibleError, match=r"args\[0\].*`sin`"):
+            rn.invertible(_one_bad_op)(*args)
+        fallback = "recompute"
     report = rn.inversion_report(rn.invertible(_one_bad_op, fallback=fallback), *args)
     assert [n for n, _ in report.stored_inputs] == ["args[0]", "args[2]"], str(report)
     assert report.data_inputs == ("args[0]",)  # x1: sin hides it; x2 is still rebuilt
@@ -638,7 +647,8 @@ def test_bad_arguments():
 
 def test_inversion_report_is_readable(small):
     p, w = small
-    text = str(rn.inversion_report(rn.invertible(_one_bad_op), p["a"], p["b"], w["f"]))
+    inv = rn.invertible(_one_bad_op, fallback="recompute")
+    text = str(rn.inversion_report(inv, p["a"], p["b"], w["f"]))
     print(text)
     assert text.startswith("rn.inversion_report: 8 equations;")
     for word in (

@@ -6,9 +6,9 @@ asinh, neg, reshape, transpose, rev, split, concatenate, ...), with random shape
 side computation now and then, calls wrapped in ``jit`` / ``checkpoint``, extra outputs, a
 ``lax.scan`` form, and a random statement order (any topological order of the program's
 statements). The gradient must match plain autodiff to a float32 relative error (max-abs scaled
-by the reference's max-abs) of 1e-5, or the call must stop with rn.invertible's own error (a
-run-time exactness check): never a silent mismatch or a non-finite value. The outputs of a
-coupling program determine its data inputs, so the walk must also keep none of them.
+by the reference's max-abs) of 1e-5; at these ordinary magnitudes no run-time check may refuse
+(tests/test_invertible_magnitudes.py covers the extremes, where refusing is the right answer).
+The outputs of a coupling program determine its data inputs, so the walk must keep none of them.
 
 Hypothesis is not derandomized: a failure prints the falsifying program and a
 ``@reproduce_failure`` blob to replay it.
@@ -178,11 +178,9 @@ def test_random_coupling_programs_match_autodiff(spec, seed):
     assert report.invertible, str(report)  # x1, x2 are rebuilt from the outputs, not kept
     # Under jit: one compile per gradient instead of one per primitive run op by op.
     want = jax.jit(jax.grad(_loss(program), argnums=(0, 1, 2)))(x1, x2, ws)
-    try:
-        got = jax.block_until_ready(jax.jit(jax.grad(_loss(inv), argnums=(0, 1, 2)))(x1, x2, ws))
-    except Exception as e:  # only rn.invertible's own run-time check may stop it
-        assert "rn.invertible: rebuilding an operand" in str(e), repr(e)
-        return
+    # Ordinary magnitudes (values and branch scales O(1)): no run-time check may refuse (refusing
+    # is for lost information; tests/test_invertible_magnitudes.py fuzzes the extremes).
+    got = jax.block_until_ready(jax.jit(jax.grad(_loss(inv), argnums=(0, 1, 2)))(x1, x2, ws))
     assert all(np.isfinite(np.asarray(g)).all() for g in got), got
     err = rel_err(got, want)
     assert err <= 1e-5, f"gradient rel err {err:.2e}\n{report}"

@@ -9,6 +9,8 @@ in turn with one that returns a wrong value and asserts that its case catches it
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
@@ -27,6 +29,12 @@ _C = jnp.linspace(0.5, 1.5, 32).reshape(4, 8)  # a known (closed-over) operand
 
 def _bitcast_round_trip(x):
     return (lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32), jnp.float32),)
+
+
+def _on_bits(x, op):
+    """``op`` applied to the int32 bits of x; it must keep the exponent (a finite float)."""
+    k = lax.bitcast_convert_type(x, jnp.int32)
+    return (lax.bitcast_convert_type(op(k), jnp.float32),)
 
 
 # name -> (primitive, op, input dtype)
@@ -87,6 +95,9 @@ CASES = {
         jnp.bfloat16,
     ),
     "bitcast_convert_type": ("bitcast_convert_type", _bitcast_round_trip, jnp.float32),
+    "xor": ("xor", lambda x: _on_bits(x, lambda k: k ^ 0x5A5A5), jnp.float32),
+    # ~k ^ ~c == k ^ c: one `not`, and the float stays finite
+    "not": ("not", lambda x: _on_bits(x, lambda k: ~k ^ jnp.int32(~0x5A5A5)), jnp.float32),
 }
 
 
@@ -172,7 +183,7 @@ def _perturbed(rule):
                     new[p] = x + (1 << 23)
         return new
 
-    return rule.__class__(inverse, rule.positions, rule.check, rule.guard)
+    return dataclasses.replace(rule, inverse=inverse)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

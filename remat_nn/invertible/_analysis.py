@@ -24,9 +24,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import jax.extend.core.primitives as prims
+
 from remat_nn._jax_internals import core
 from remat_nn.invertible._equation_rules import Assessment, EquationRule, linked, rule_for
 from remat_nn.invertible._jaxpr import dce, display, is_float, is_var, nbytes, where
+from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
+
+stop_gradient_p = prims.stop_gradient_p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +65,12 @@ class Analysis:
         lossy_ok: bool,
         cache: dict,
         constants: int = 0,
+        declared: Sequence[int] | None = None,
+        diff_in: Sequence[bool] | None = None,
+        rtol: float = DEFAULT_RTOL,
     ):
         self.jaxpr, self.eqns = jaxpr, jaxpr.eqns
+        self.rtol = rtol
         self.known_in, self.known_out = tuple(known_in), tuple(known_out)
         self.lossy_ok, self.cache = lossy_ok, cache
         self.rules: list[EquationRule | None] = [rule_for(e) for e in self.eqns]
@@ -73,25 +82,48 @@ class Analysis:
                     self.touching.setdefault(a, []).append(i)
         self.verdicts: dict[tuple[int, tuple[int, ...]], Assessment] = {}
         self.deferred: set[int] = set()
+        self.varying = self._varying(diff_in)
         self.needs_vjp = self._needs_vjp()
         self.required = {
             a for i, e in enumerate(self.eqns) if self.needs_vjp[i] for a in e.invars if is_var(a)
         }
         self.kept: tuple[int, ...] = ()
         self.data_kept: tuple[int, ...] = ()
+        self.undetermined: tuple[int, ...] = ()  # kept inputs a strict rn.invertible refuses
+        self.blocked: str | None = None  # the equation that stops the walk without them
         self.lossy: str | None = None
+        self.checked = False  # some inversion runs a run-time check (guard or bound)
         self.failure: str | None = None
         self._schedules: dict[tuple[bool, bool], Any] = {}
-        self._run(keep_inputs, constants)
+        self._run(keep_inputs, constants, declared)
 
     # --- the closure ----------------------------------------------------------------------------
+
+    def _varying(self, diff_in: Sequence[bool] | None) -> set[core.Var]:
+        """Float values that carry a tangent: they depend on a differentiated input other than
+        through ``stop_gradient`` (a closed-over constant, ``stop_gradient(x)`` do not)."""
+        invars = self.jaxpr.invars
+        diff = diff_in if diff_in is not None else (True,) * len(invars)
+        varying = {v for v, d in zip(invars, diff, strict=True) if d and is_float(v.aval)}
+        for e in self.eqns:
+            if e.primitive is not stop_gradient_p and any(
+                is_var(a) and a in varying for a in e.invars
+            ):
+                varying.update(v for v in e.outvars if is_var(v) and is_float(v.aval))
+        return varying
+
+    def active(self, i: int) -> tuple[int, ...]:
+        """The operand positions of equation ``i`` that get a cotangent."""
+        return tuple(
+            p for p, a in enumerate(self.eqns[i].invars) if is_var(a) and a in self.varying
+        )
 
     def _needs_vjp(self) -> list[bool]:
         reach = {v for v in self.jaxpr.outvars if is_var(v) and is_float(v.aval)}
         out = [False] * len(self.eqns)
         for i in reversed(range(len(self.eqns))):
             e = self.eqns[i]
-            floats = [a for a in e.invars if is_var(a) and is_float(a.aval)]
+            floats = [a for a in e.invars if is_var(a) and a in self.varying]
             if floats and any(is_var(v) and v in reach for v in e.outvars):
                 out[i] = True
                 reach.update(floats)
@@ -177,7 +209,7 @@ class Analysis:
     def _touching_all(self, vs) -> list[int]:
         return sorted({j for v in vs for j in self.touching.get(v, ())}, reverse=True)
 
-    def _run(self, keep_inputs: bool, constants: int) -> None:
+    def _run(self, keep_inputs: bool, constants: int, declared: Sequence[int] | None) -> None:
         invars = self.jaxpr.invars
         given = Derivation("given")
         known: dict[core.Var, Derivation] = {}
@@ -196,11 +228,13 @@ class Analysis:
             for p, v in enumerate(invars):
                 if v in known or v not in self.touching:
                     continue
-                if p < constants or v not in reach:
+                # declared weights, or (inferred) inputs no rule could ever rebuild
+                if p < constants or (v not in reach if declared is None else p in declared):
                     kept.append(p)
                     known[v] = given
-        self.must_keep = tuple(kept)  # weights and constants: no rule could rebuild them
+        self.must_keep = tuple(kept)  # weights and constants
         self._close(known, list(reversed(range(len(self.eqns)))))
+        first_missing = wanted - known.keys()
         while keep_inputs and not wanted <= known.keys():
             best = None
             for p, v in enumerate(invars):
@@ -222,6 +256,14 @@ class Analysis:
             self.failure = self._why(missing)
             return
         self.data_kept = self._data_kept()
+        if declared is None:  # constants are kept, never data
+            self.undetermined = tuple(p for p in self.data_kept if p >= constants)
+        else:
+            self.undetermined = tuple(p for p in self.kept if p not in self.must_keep)
+        if self.undetermined:
+            self.blocked = self._chain_break(invars[self.undetermined[0]]) or self._why(
+                first_missing or {invars[self.undetermined[0]]}
+            )
         self.lossy = next(
             (
                 d.assessment.lossy
@@ -229,6 +271,11 @@ class Analysis:
                 if d.assessment is not None and d.assessment.lossy is not None  # inversions
             ),
             None,
+        )
+        self.checked = any(
+            d.assessment is not None
+            and (d.assessment.lossy or d.assessment.bounded or d.assessment.sub is not None)
+            for d in known.values()
         )
 
     def _data_kept(self) -> tuple[int, ...]:
@@ -278,11 +325,28 @@ class Analysis:
         p = next(p for p, v in enumerate(self.jaxpr.invars) if v in missing)
         return f"operand {p} does not reach any output"
 
+    def _chain_break(self, v: core.Var) -> str | None:
+        """Where the chain from input ``v`` to the outputs stops being invertible: the first
+        equation (in program order) on its paths that no rule can undo in that operand (None:
+        every equation on the way has a rule for it)."""
+        cone = {v}
+        for i, eqn in enumerate(self.eqns):
+            pos = [p for p, a in enumerate(eqn.invars) if is_var(a) and a in cone]
+            if not pos:
+                continue
+            rule = self.rules[i]
+            if rule is None:
+                return f"`{display(eqn)}` at {where(eqn)}: `{eqn.primitive.name}` has no inverse"
+            if not any(rule.reconstructs(eqn, p) for p in pos):
+                return f"`{display(eqn)}` at {where(eqn)}: its rule cannot rebuild operand {pos}"
+            cone.update(w for w in eqn.outvars if is_var(w))
+        return None
+
     # --- nested bodies --------------------------------------------------------------------------
 
     def nested(self, jaxpr: core.Jaxpr, known_in, known_out) -> Analysis | str:
         """The analysis of a call's or scan's body (no inputs kept), or why it fails; cached."""
-        key = (id(jaxpr), tuple(known_in), tuple(known_out), self.lossy_ok)
+        key = (id(jaxpr), tuple(known_in), tuple(known_out), self.lossy_ok, self.rtol)
         if key not in self.cache:
             live = dce(jaxpr, known_out)
             sub = Analysis(
@@ -292,6 +356,7 @@ class Analysis:
                 keep_inputs=False,
                 lossy_ok=self.lossy_ok,
                 cache=self.cache,
+                rtol=self.rtol,
             )
             self.cache[key] = (jaxpr, sub.failure or sub)  # holds jaxpr: its id() stays unique
         return self.cache[key][1]
@@ -307,11 +372,20 @@ class Analysis:
         return self._schedules[key]
 
 
-def analyze(jaxpr: core.Jaxpr, *, lossy_ok: bool, num_constants: int = 0) -> Analysis:
+def analyze(
+    jaxpr: core.Jaxpr,
+    *,
+    lossy_ok: bool,
+    num_constants: int = 0,
+    declared: Sequence[int] | None = None,
+    diff_in: Sequence[bool] | None = None,
+    rtol: float = DEFAULT_RTOL,
+) -> Analysis:
     """The top-level analysis: every input may be kept, every output is known.
 
     The first ``num_constants`` inputs are closed-over constants: always kept (they cost
-    nothing), never rebuilt.
+    nothing), never rebuilt. ``declared``: the input positions declared known (weights), or
+    None to infer them. ``diff_in``: which inputs are differentiated (default all).
     """
     return Analysis(
         jaxpr,
@@ -321,4 +395,7 @@ def analyze(jaxpr: core.Jaxpr, *, lossy_ok: bool, num_constants: int = 0) -> Ana
         lossy_ok=lossy_ok,
         cache={},
         constants=num_constants,
+        declared=declared,
+        diff_in=diff_in,
+        rtol=rtol,
     )

@@ -10,12 +10,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.interpreters.ad import JVPTracer
 
 from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
+from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._walk import execute, stop_on_failed_check
 
 __all__ = ["Invertible", "invertible"]
@@ -60,6 +62,23 @@ def _signature_key(treedef, leaves, dyn_index) -> Any:
     return (treedef, static, types)
 
 
+_NOT_DETERMINED = """\
+rn.invertible({fun}): the outputs do not determine {names}, which the backward pass needs: {why}.
+Without them the walk would have to store them (it never stores silently). Fix: declare the
+arguments that are weights with known_argnums= / known_argnames=; or rn.invertible(f,
+fallback="recompute") to keep {names} and recompute from it (rn.inversion_report lists it under
+data_inputs); or give the blocking part an inverse (rn.register_inverse, rn.custom_ivjp)."""
+
+
+def _is_known_leaf(path: tuple, positions: Sequence[int] | None, known) -> bool:
+    """Whether the leaf at ``path`` of ``(args, kwargs)`` belongs to a declared argument."""
+    nums, names = known
+    if path[0].idx == 1:
+        return path[1].key in names
+    k = path[1].idx if positions is None else positions[path[1].idx]
+    return k in nums
+
+
 def _trace(
     fun: Callable,
     args: tuple,
@@ -67,6 +86,9 @@ def _trace(
     *,
     lossy_ok: bool,
     positions: Sequence[int] | None = None,
+    known: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+    strict: bool = False,
+    rtol: float = DEFAULT_RTOL,
 ) -> Traced:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in leaves_with_path]
@@ -86,9 +108,34 @@ def _trace(
     jaxpr = dce(jaxpr, [True] * len(jaxpr.outvars))
     names = [f"closed-over constant {k}" for k in range(len(closed.consts))]
     names += [_arg_name(leaves_with_path[i][0], positions) for i in dyn_index]
-    analysis = analyze(jaxpr, lossy_ok=lossy_ok, num_constants=len(closed.consts))
+    num_consts = len(closed.consts)
+    declared = None
+    if known is not None:
+        declared = list(range(num_consts)) + [
+            num_consts + j
+            for j, i in enumerate(dyn_index)
+            if _is_known_leaf(leaves_with_path[i][0], positions, known)
+        ]
+    # A concrete closed-over array is a constant: no cotangent flows into it.
+    diff_in = [isinstance(c, core.Tracer) for c in closed.consts] + [True] * len(dyn_index)
+    analysis = analyze(
+        jaxpr,
+        lossy_ok=lossy_ok,
+        num_constants=num_consts,
+        declared=declared,
+        diff_in=diff_in,
+        rtol=rtol,
+    )
     if analysis.failure is not None:  # not expected: every input may be kept
         raise NotInvertibleError(f"rn.invertible: {analysis.failure}")
+    if strict and analysis.undetermined:
+        raise NotInvertibleError(
+            _NOT_DETERMINED.format(
+                fun=getattr(fun, "__name__", "?"),
+                names=", ".join(names[p] for p in analysis.undetermined),
+                why=analysis.blocked,
+            )
+        )
     run = _as_custom_vjp(analysis)
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
@@ -140,9 +187,13 @@ class Invertible:
         static_argnums: tuple[int, ...],
         static_argnames: tuple[str, ...],
         named: frozenset[int] = frozenset(),
+        known: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+        rtol: float = DEFAULT_RTOL,
     ):
         functools.update_wrapper(self, fun)
-        self.fun, self.fallback = fun, fallback
+        self.rtol = rtol
+        self.fun, self.fallback, self.known = fun, fallback, known
+        self._known_named = frozenset() if known is None else _named_positions(fun, known[0])
         self.static_argnums, self.static_argnames = static_argnums, static_argnames
         self._named = named  # static positions that are named parameters (may come by keyword)
         self._cache: dict[Any, Traced] = {}
@@ -200,8 +251,28 @@ class Invertible:
             key = None
         if key is not None and key in self._cache:
             return self._cache[key], leaves, treedef
+        if self.known is not None:
+            n = len(args)
+            bad = [k for k in self.known[0] if not -n <= k < n and k not in self._known_named]
+            if bad:
+                raise ValueError(
+                    f"{self!r}: known_argnums {bad} out of range for {n} positional arguments. "
+                    "Fix: pass those arguments positionally, or list them in known_argnames."
+                )
+        known = None
+        if self.known is not None:
+            n = len(args)
+            known = (tuple(k % n for k in self.known[0] if -n <= k < n), self.known[1])
+        strict = self.fallback == "error"
         traced = _trace(
-            fun, dyn_args, dyn_kwargs, lossy_ok=self.fallback == "error", positions=positions
+            fun,
+            dyn_args,
+            dyn_kwargs,
+            lossy_ok=strict,
+            positions=positions,
+            known=known,
+            strict=strict,
+            rtol=self.rtol,
         )
         # Like jax.jit, closed-over arrays are captured at the first trace; a trace that closed
         # over another transformation's tracers is not reused.
@@ -211,7 +282,13 @@ class Invertible:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         traced, leaves, _ = self._prepare(args, kwargs)
-        outs = traced.run(*traced.consts, *[leaves[i] for i in traced.dyn_index])
+        ins = [*traced.consts, *[leaves[i] for i in traced.dyn_index]]
+        if any(isinstance(x, JVPTracer) for x in ins):
+            # Forward mode (jax.jvp / jacfwd / linearize) stores nothing for a backward pass:
+            # f's own JVP runs (a custom_vjp has no forward mode).
+            outs = eval_jaxpr(traced.analysis.jaxpr, ins)[0]
+        else:
+            outs = traced.run(*ins)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     def reconstruct(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -247,7 +324,23 @@ class Invertible:
         return f"rn.invertible({name}, fallback={self.fallback!r})"
 
 
-def _normalize_static(fun: Callable, static_argnums, static_argnames):
+def _named_positions(fun: Callable, nums: Sequence[int]) -> frozenset[int]:
+    """The positions among ``nums`` that are named parameters (they may come by keyword)."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return frozenset()
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return frozenset(k for k in nums if 0 <= k < n)
+
+
+def _normalize_argnums(fun: Callable, argnums, argnames, what: str):
+    """``(nums, names, named positions)`` with a name also making its position count and
+    vice versa, as in ``jax.jit``; ``what`` is ``"static"`` or ``"known"`` (for errors)."""
+    return _normalize_static(fun, argnums, argnames, what)
+
+
+def _normalize_static(fun: Callable, static_argnums, static_argnames, what: str = "static"):
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
     try:
@@ -263,7 +356,7 @@ def _normalize_static(fun: Callable, static_argnums, static_argnames):
     unknown = [n for n in names if n not in known]
     if unknown and not takes_kwargs:
         raise ValueError(
-            f"rn.invertible: static_argnames {unknown} are not parameters of "
+            f"rn.invertible: {what}_argnames {unknown} are not parameters of "
             f"{getattr(fun, '__name__', fun)} (it takes {sorted(known)})."
         )
     named = frozenset(k for k in nums if 0 <= k < len(positional))
@@ -276,6 +369,9 @@ def invertible(
     fallback: str = "error",
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    known_argnums: int | Sequence[int] | None = None,
+    known_argnames: str | Sequence[str] | None = None,
+    rtol: float = DEFAULT_RTOL,
 ) -> Any:
     """Makes ``fun``'s VJP rebuild its intermediates from its outputs instead of storing them.
 
@@ -307,18 +403,30 @@ def invertible(
         operand that may hold 0, ``log`` of an ``exp`` that may have underflowed):
         ``"error"`` (default) inverts and checks the values at run time, stopping with an error
         naming the primitive and line if information was lost (never a non-finite gradient);
-        ``"recompute"`` never uses them, keeping the input instead and recomputing.
+        ``"recompute"`` never uses them, keeping the input instead and recomputing. Also
+        strictness: with ``"error"`` an argument that is not a weight and that the outputs do
+        not determine raises :class:`NotInvertibleError` naming the equation that hides it;
+        with ``"recompute"`` it is kept.
       static_argnums: positions of arguments that are Python values (``train=True``), not
         traced; they must be hashable. As in ``jax.jit``.
       static_argnames: names of such arguments.
+      known_argnums: positions of the arguments that are weights (kept, never rebuilt);
+        every other argument must then be rebuilt from the outputs (see ``fallback``).
+        Default None: weights are inferred (``rn.inversion_report`` shows which).
+      known_argnames: names of such arguments.
+      rtol: tolerance of every floating inversion's run-time error bound, relative to the
+        rebuilt tensor's max |value| (never below 8 ulps of its dtype); exceeding it stops
+        the backward with an error naming the primitive and line.
 
     Returns:
       An :class:`Invertible` callable with ``fun``'s signature, or a decorator if ``fun`` is
       omitted (``@rn.invertible(static_argnames="train")``).
 
     Raises:
-      ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, or a static argument is
-        out of range.
+      ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, a static or known argument
+        is out of range or not a parameter, or ``rtol`` is not in (0, 1).
+      NotInvertibleError: (at the call) with ``fallback="error"``, an argument that is not a
+        weight is not determined by the outputs.
       TypeError: ``fun`` is not callable, or a static argument is not hashable.
 
     >>> import jax, jax.numpy as jnp, remat_nn as rn
@@ -349,10 +457,27 @@ def invertible(
             fallback=fallback,
             static_argnums=static_argnums,
             static_argnames=static_argnames,
+            known_argnums=known_argnums,
+            known_argnames=known_argnames,
+            rtol=rtol,
         )
     if not callable(fun):
         raise TypeError(
             f"rn.invertible: argument `fun` must be callable, got {type(fun).__name__} {fun!r}."
         )
     nums, names, named = _normalize_static(fun, static_argnums, static_argnames)
-    return Invertible(fun, fallback, nums, names, named)
+    known = None
+    if known_argnums is not None or known_argnames is not None:
+        knums, knames, _ = _normalize_argnums(
+            fun,
+            () if known_argnums is None else known_argnums,
+            () if known_argnames is None else known_argnames,
+            "known",
+        )
+        known = (knums, knames)
+    if not (isinstance(rtol, int | float) and 0 < rtol < 1):
+        raise ValueError(
+            f"rn.invertible: argument `rtol` must be a number in (0, 1), got {rtol!r}. Fix: e.g. "
+            "rtol=1e-5 to accept rebuilt values within 1e-5 of their tensor's max |value|."
+        )
+    return Invertible(fun, fallback, nums, names, named, known, float(rtol))

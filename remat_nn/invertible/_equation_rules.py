@@ -10,6 +10,7 @@ differentiated with their own rules, a ``scan`` is undone by a reverse scan of i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +43,8 @@ class Assessment:
     reason: str | None = None  # why not, or None: it can
     sub: Any = None  # the nested Analysis of a rule that walks a body
     lossy: str | None = None  # why the inversion needs a run-time exactness check
+    bounded: str | None = None  # a floating inverse: what its run-time error bound guards
+    rtol: float = _primitive_rules.DEFAULT_RTOL  # the bound's tolerance (of the scale)
 
 
 class EquationRule(Protocol):
@@ -87,7 +90,6 @@ class SimpleRule:
         return self.rule.reconstructs(position)
 
     def assess(self, analysis, eqn, unknown):
-        del analysis
         avals = [a.aval for a in eqn.invars]
         reason = self.rule.why_not(eqn.params, avals, unknown)
         if reason is not None:
@@ -98,10 +100,24 @@ class SimpleRule:
             else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
             for a in eqn.invars
         ]
+        outside = self.rule.outside_domain(constants, unknown)
+        if outside is not None:
+            return Assessment(f"outside its rule's domain: {outside}")
+        sizes = [math.prod(a.shape) for a in avals]
+        if all(math.prod(v.aval.shape) == 0 for v in eqn.outvars) and any(
+            sizes[p] for p in unknown
+        ):
+            return Assessment("its output is empty, so it holds nothing of the operand")
         kind, why = self.rule.exactness(constants, unknown)
         if kind == "lost":
             return Assessment(f"a constant operand destroys it ({why})")
-        return Assessment(lossy=why if kind == "checked" else None)
+        bound = self.rule.bound
+        floating = any(jnp.issubdtype(avals[p].dtype, jnp.inexact) for p in unknown)
+        return Assessment(
+            lossy=why if kind == "checked" else None,
+            bounded=bound.reason if bound is not None and floating else None,
+            rtol=analysis.rtol,
+        )
 
     def run(self, eqn, assessment, ins, outs, couts):
         del couts
@@ -110,6 +126,9 @@ class SimpleRule:
             jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) if x is None else x
             for a, x in zip(eqn.invars, ins, strict=True)
         ]
+        if all(math.prod(invals[p].shape) == 0 for p in holes):  # nothing to rebuild
+            new = [jnp.zeros(x.shape, x.dtype) if p in holes else x for p, x in enumerate(invals)]
+            return new, None, None
         new = list(self.rule.inverse(invals, list(outs), **eqn.params))
         if len(new) != len(ins):
             raise TypeError(
@@ -123,9 +142,13 @@ class SimpleRule:
                     f"rn.invertible: the inverse rule of `{eqn.primitive.name}` reconstructed "
                     f"operand {p} as {aval_str(got)}, expected {aval_str(aval)}."
                 )
-        ok, guard = None, self.rule.guard
+        ok, guard, bound = None, self.rule.guard, self.rule.bound
         if assessment.lossy is not None and guard is not None:  # lossy: the guard said why
             ok = guard.ok(invals, list(outs), new, holes, **eqn.params)
+        if assessment.bounded is not None and bound is not None:
+            tol = _primitive_rules.tolerance(assessment.rtol, new[holes[0]].dtype)
+            within = bound.error(invals, list(outs), new, holes, **eqn.params) <= tol
+            ok = within if ok is None else ok & within
         return [new[p] if x is None else x for p, x in enumerate(ins)], None, ok
 
 
@@ -147,7 +170,7 @@ class CallRule:
         sub = analysis.nested(inner, known_in, (True,) * len(inner.outvars))
         if isinstance(sub, str):
             return Assessment(f"its body cannot be inverted: {sub}")
-        return Assessment(sub=sub, lossy=sub.lossy)
+        return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
     def run(self, eqn, assessment, ins, outs, couts):
         from remat_nn.invertible._walk import execute
@@ -183,7 +206,7 @@ class ScanRule:
         sub = analysis.nested(inner, known_in, (True,) * len(inner.outvars))
         if isinstance(sub, str):
             return Assessment(f"its body cannot be inverted: {sub}")
-        return Assessment(sub=sub, lossy=sub.lossy)
+        return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
     def run(self, eqn, assessment, ins, outs, couts):
         from remat_nn.invertible._walk import combine_codes, execute
@@ -199,7 +222,7 @@ class ScanRule:
         ys = list(outs[num_carry:])
         xs_known = [x is not None for x in xs]
         want_cts = couts is not None
-        checked = assessment.lossy is not None
+        checked = assessment.sub.checked
 
         def ct_or_zeros(c, aval):
             if not is_float(aval):

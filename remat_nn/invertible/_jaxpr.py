@@ -125,9 +125,17 @@ def zeros_ct(aval: Any) -> Any:
 
 
 def eqn_vjp(
-    eqn: core.JaxprEqn, ins: Sequence[Any], couts: Sequence[Any], cache: dict | None = None
+    eqn: core.JaxprEqn,
+    ins: Sequence[Any],
+    couts: Sequence[Any],
+    cache: dict | None = None,
+    active: Sequence[int] | None = None,
 ) -> list[Any]:
     """Cotangents of ``eqn``'s float operands given its output cotangents (None = zero).
+
+    ``active``: the operand positions to differentiate (default: every float variable); the
+    others (a closed-over constant, ``stop_gradient(x)``) are held constant, so a ``while_loop``
+    over them runs without reverse-mode differentiation.
 
     ``cache`` maps an equation's full signature to its traced VJP, so the 64 identical layers
     of a stack are linearized once. The key holds everything the traced VJP depends on: the
@@ -135,7 +143,11 @@ def eqn_vjp(
     (a literal operand is a constant: ``1.0 - a`` and ``a - 0.25`` differ) and which output
     cotangents are zero.
     """
-    diff = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and is_float(a.aval))
+    diff = tuple(
+        p
+        for p, a in enumerate(eqn.invars)
+        if is_var(a) and is_float(a.aval) and (active is None or p in active)
+    )
     in_cts: list[Any] = [None] * len(ins)
     if not diff:
         return in_cts

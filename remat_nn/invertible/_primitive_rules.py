@@ -30,7 +30,15 @@ from jax.extend.core import Primitive
 
 from remat_nn._jax_internals import optimization_barrier_p, split_p
 
-__all__ = ["Guard", "InverseRule", "PrimitiveRule", "lookup", "register_inverse", "registered"]
+__all__ = [
+    "Bound",
+    "Guard",
+    "InverseRule",
+    "PrimitiveRule",
+    "lookup",
+    "register_inverse",
+    "registered",
+]
 
 #: ``inverse(invals, outvals, **params) -> invals``; the entries of ``invals`` to reconstruct
 #: are ``jax.ShapeDtypeStruct`` placeholders, the others are the known values.
@@ -38,6 +46,31 @@ InverseRule = Callable[..., Sequence[Any]]
 #: ``check(params, in_avals, unknown) -> reason or None``: can the operand positions
 #: ``unknown`` be reconstructed at once? ``None`` means yes; a string says why not.
 InverseCheck = Callable[[Mapping[str, Any], Sequence[Any], tuple[int, ...]], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A run-time error bound of one floating inverse.
+
+    ``error(invals, outvals, new, unknown, **params)`` returns, as a float32 scalar, the largest
+    error the rebuilt operand can carry (from the rounding of the output it was rebuilt from,
+    underflow or overflow, and the inverse's own rounding), divided by the rebuilt tensor's
+    scale ``max|value|``. The walk requires it to be at most the tolerance
+    (:func:`tolerance`), else the backward stops naming the primitive and ``reason``.
+    """
+
+    reason: str
+    error: Callable[..., Any]
+
+
+#: The default tolerance of a bounded inversion, relative to the rebuilt tensor's scale.
+DEFAULT_RTOL = 1e-6
+
+
+def tolerance(rtol: float, dtype: Any) -> float:
+    """The tolerance applied to a rebuilt ``dtype`` tensor: ``rtol``, but never below 8 ulps
+    of 1 in ``dtype`` (float16 / bfloat16 cannot be rebuilt to 1e-6)."""
+    return max(rtol, 8 * float(jnp.finfo(dtype).eps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,24 +92,73 @@ class Guard:
     static_ok: Callable[[Sequence[Any], tuple[int, ...]], bool | None] | None = None
 
 
+def dtype_kind(dtype: Any) -> str:
+    """The kind of ``dtype`` a rule's domain is stated in: one of :data:`KINDS`."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "complex"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "float"
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return "unsigned"
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return "signed"
+    return "other"  # typed PRNG keys and other extended dtypes
+
+
+#: The dtype kinds a rule's domain is stated in (``"other"``: PRNG keys, extended dtypes).
+KINDS = ("float", "complex", "signed", "unsigned", "bool", "other")
+_FLOAT = frozenset({"float"})
+_INEXACT = frozenset({"float", "complex"})
+# Wrapping integer add / sub / neg are bijections modulo 2^n; bool add is `or` (not one).
+_RING = frozenset({"float", "complex", "signed", "unsigned"})
+_ANY = frozenset(KINDS)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrimitiveRule:
-    """How to reconstruct the operands of one primitive (see the module docstring)."""
+    """How to reconstruct the operands of one primitive (see the module docstring).
+
+    ``kinds`` is its domain: the dtype kinds (:data:`KINDS`) of the operands it reconstructs for
+    which its inverse is exact; ``domain(constants, unknown) -> str | None`` further conditions
+    on the known operands that are constants (an integer factor must be an odd constant). A rule
+    is never applied outside its domain.
+    """
 
     inverse: InverseRule
     positions: tuple[int, ...] | None = None  # positions it reconstructs, one at a time
     check: InverseCheck | None = None  # replaces ``positions``: which sets of positions
     guard: Guard | None = None
+    kinds: frozenset[str] = _FLOAT
+    domain: Callable[[Sequence[Any], tuple[int, ...]], str | None] | None = None
+    bound: Bound | None = None  # the run-time error bound of a floating inverse
 
     def why_not(self, params, in_avals, unknown: tuple[int, ...]) -> str | None:
         """None if ``unknown`` (operand positions) can be reconstructed at once, else why not."""
         if self.check is not None:
-            return self.check(params, in_avals, unknown)
-        if len(unknown) != 1:
-            return f"its rule reconstructs one operand at a time, {len(unknown)} are unknown"
-        if self.positions is not None and unknown[0] not in self.positions:
-            return f"its rule cannot reconstruct operand {unknown[0]} (only {self.positions})"
+            reason = self.check(params, in_avals, unknown)
+        elif len(unknown) != 1:
+            reason = f"its rule reconstructs one operand at a time, {len(unknown)} are unknown"
+        elif self.positions is not None and unknown[0] not in self.positions:
+            reason = f"its rule cannot reconstruct operand {unknown[0]} (only {self.positions})"
+        else:
+            reason = None
+        if reason is not None:
+            return reason
+        for p in unknown:
+            kind = dtype_kind(in_avals[p].dtype)
+            if kind not in self.kinds:
+                return (
+                    f"its inverse is exact only for {'/'.join(sorted(self.kinds))} operands, "
+                    f"operand {p} is {np.dtype(in_avals[p].dtype).name}"
+                )
         return None
+
+    def outside_domain(self, constants: Sequence[Any], unknown: tuple[int, ...]) -> str | None:
+        """Why the known constant operands put this inversion outside the rule's domain."""
+        return None if self.domain is None else self.domain(constants, unknown)
 
     def reconstructs(self, position: int) -> bool:
         """Whether the rule can ever reconstruct operand ``position``."""
@@ -103,6 +185,7 @@ def register_inverse(
     positions: Sequence[int] | None = None,
     check: InverseCheck | None = None,
     guard: Guard | None = None,
+    kinds: Sequence[str] = ("float",),
 ) -> None:
     """Registers how to reconstruct the inputs of ``primitive`` from its outputs.
 
@@ -123,6 +206,11 @@ def register_inverse(
         ``None`` if the rule can, else the reason.
       guard: optional :class:`Guard`, a run-time check for inverses that floating point can
         break (division by a value that may be 0); without one the rule is taken as exact.
+      kinds: the rule's domain: the dtype kinds (``"float"``, ``"complex"``, ``"signed"``,
+        ``"unsigned"``, ``"bool"``, ``"other"``) of the operands it rebuilds for which it is
+        exact. Default float only: an inverse exact over the reals is rarely exact in
+        wrapping integers (``k * 4``) or on complex branches (``exp``). Outside it the rule is
+        not used.
 
     Returns:
       None.
@@ -159,8 +247,14 @@ def register_inverse(
             f"rn.register_inverse({primitive.name}): argument `guard` must be a "
             f"remat_nn.invertible.Guard, got {type(guard).__name__}."
         )
+    bad = [k for k in kinds if k not in KINDS]
+    if isinstance(kinds, str) or bad:
+        raise ValueError(
+            f"rn.register_inverse({primitive.name}): argument `kinds` must be a sequence of "
+            f"{KINDS}, got {kinds!r}. Fix: e.g. kinds=('float', 'complex')."
+        )
     _RULES[primitive] = PrimitiveRule(
-        rule, None if positions is None else tuple(positions), check, guard
+        rule, None if positions is None else tuple(positions), check, guard, frozenset(kinds)
     )
 
 
@@ -202,6 +296,76 @@ def _tiny(x: Any) -> float:
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return 1.0
     return float(jnp.finfo(x.dtype).tiny)
+
+
+def _mag(v: Any) -> Any:
+    """``|v|`` in float32 (a float16 scale or error term would overflow)."""
+    return jnp.abs(jnp.asarray(v)).astype(jnp.float32)
+
+
+def _relative(err: Any, rebuilt: Any) -> Any:
+    """``max(err) / max|rebuilt|`` (0 where there is no error, inf where the rebuilt tensor is
+    all 0 beside a nonzero error: its information is gone)."""
+    top, scale = jnp.max(err), jnp.max(_mag(rebuilt))
+    return jnp.where(top == 0, 0.0, top / scale)
+
+
+def _unit(x: Any) -> tuple[float, float]:
+    """(half an ulp of 1, the least normal) of ``x``'s dtype: one rounding, and the absolute
+    error of a result that underflowed (flushed or subnormal)."""
+    info = jnp.finfo(x.dtype)
+    return float(info.eps) / 2, float(info.tiny)
+
+
+def _unary_bound(error: Callable[[Any, Any, float, float], Any]) -> Callable[..., Any]:
+    """A bound from ``error(y, a, u, tiny) -> per-element error`` of a unary inverse (``y``
+    the output and ``a`` the rebuilt operand, in float32)."""
+
+    def bound(invals, outvals, new, unknown, **params):
+        del invals, params
+        (p,) = unknown
+        a = new[p]
+        u, tiny = _unit(a)
+        y32, a32 = outvals[0].astype(jnp.float32), a.astype(jnp.float32)
+        return _relative(error(y32, a32, u, tiny) + u * jnp.abs(a32), a)
+
+    return bound
+
+
+def _sum_bound(invals, outvals, new, unknown, **params):
+    # a = y - b: y was rounded to half an ulp of max|y|, which a inherits in absolute terms;
+    # a branch 1e4 times the stream leaves a with 4 fewer digits.
+    # A rebuilt tensor that is 0 everywhere (x * 0 + c) came from an output equal to the other
+    # operand bit for bit: its error is then at most half an ulp of the output, as the
+    # forward addition's own, and it is accepted.
+    del invals, params
+    (p,) = unknown
+    a = new[p]
+    u, _ = _unit(a)
+    bound = _relative(u * jnp.max(_mag(outvals[0])) + u * _mag(a), a)
+    return jnp.where(jnp.any(a != 0), bound, 0.0)
+
+
+def _mul_bound(invals, outvals, new, unknown, **params):
+    # a = y / b: y's rounding (or its underflow, up to the least normal) divided by |b|.
+    del params
+    (p,) = unknown
+    a, u_tiny = new[p], _unit(new[p])
+    u, tiny = u_tiny
+    return _relative((u * _mag(outvals[0]) + tiny) / _mag(invals[1 - p]) + u * _mag(a), a)
+
+
+def _div_bound(invals, outvals, new, unknown, **params):
+    del params
+    (p,) = unknown
+    r = new[p]
+    u, tiny = _unit(r)
+    y = _mag(outvals[0])
+    if p == 0:  # a = y * b
+        err = (u * y + tiny) * _mag(invals[1])
+    else:  # b = a / y: relative error of y (rounding or underflow) carries over
+        err = _mag(r) * (u + tiny / y)
+    return _relative(err + u * _mag(r), r)
 
 
 def _unary(inverse: Callable[[Any], Any]) -> InverseRule:
@@ -261,11 +425,60 @@ def _div_static(invals, unknown) -> bool | None:
 
 
 # --- arithmetic: y = op(a, b) with one operand known --------------------------------------------
-# add/sub/neg are exact up to one rounding.
-_RULES[prims.add_p] = PrimitiveRule(_binary(lax.sub, lax.sub))
+# add/sub/neg are exact up to one rounding in floating point, and exact in wrapping integers.
+_SUM_BOUND = Bound(
+    "the other operand dwarfs the rebuilt one: the output's rounding is larger than the "
+    "tolerance of the rebuilt tensor's scale",
+    _sum_bound,
+)
+_RULES[prims.add_p] = PrimitiveRule(_binary(lax.sub, lax.sub), kinds=_RING, bound=_SUM_BOUND)
 _RULES[prims.add_jaxvals_p] = _RULES[prims.add_p]
-_RULES[prims.sub_p] = PrimitiveRule(_binary(lax.add, lambda y, a: lax.sub(a, y)))
-_RULES[prims.neg_p] = PrimitiveRule(_unary(lax.neg))
+_RULES[prims.sub_p] = PrimitiveRule(
+    _binary(lax.add, lambda y, a: lax.sub(a, y)), kinds=_RING, bound=_SUM_BOUND
+)
+_RULES[prims.neg_p] = PrimitiveRule(_unary(lax.neg), kinds=_RING)
+# xor with a known operand is its own inverse, bit for bit.
+_XOR = frozenset({"signed", "unsigned", "bool"})
+_RULES[prims.xor_p] = PrimitiveRule(_binary(lax.bitwise_xor, lax.bitwise_xor), kinds=_XOR)
+_RULES[prims.not_p] = PrimitiveRule(_unary(lax.bitwise_not), kinds=_XOR)
+
+
+def _odd_inverse(c: Any, dtype: Any) -> np.ndarray:
+    """The multiplicative inverse of the odd constant ``c`` modulo 2^bits, as ``dtype``."""
+    bits = 8 * np.dtype(dtype).itemsize
+    signed = jnp.issubdtype(dtype, jnp.signedinteger)
+
+    def inverse(v):
+        r = pow(int(v) % 2**bits, -1, 2**bits)
+        return r - 2**bits if signed and r >= 2 ** (bits - 1) else r
+
+    return np.array([inverse(v) for v in np.ravel(c)], dtype).reshape(np.shape(c))
+
+
+def _mul_solve(y, b):
+    if jnp.issubdtype(y.dtype, jnp.integer):  # the domain made b an odd constant
+        return lax.mul(y, jnp.asarray(_odd_inverse(b, y.dtype)))
+    return lax.div(y, b)
+
+
+def _is_constant(v: Any) -> bool:
+    return not (is_unknown(v) or isinstance(v, jax.Array))
+
+
+def _mul_domain(constants, unknown) -> str | None:
+    # A wrapping integer product k * c is a bijection modulo 2^n exactly when c is odd; an
+    # even or traced factor (k * 4 with k near 2^30) destroys the high bits.
+    (p,) = unknown
+    if not jnp.issubdtype(constants[p].dtype, jnp.integer):
+        return None
+    known = constants[1 - p]
+    if _is_constant(known) and np.all(np.asarray(known) % 2 == 1):
+        return None
+    what = f"the constant {np.asarray(known)!r}" if _is_constant(known) else "a traced value"
+    return (
+        f"a wrapping {np.dtype(constants[p].dtype).name} product is invertible only by an odd "
+        f"constant factor, the known factor is {what}"
+    )
 
 
 def _mul_ok(invals, outvals, new, unknown, **params):
@@ -278,18 +491,31 @@ def _mul_ok(invals, outvals, new, unknown, **params):
 
 
 _RULES[prims.mul_p] = PrimitiveRule(
-    _binary(lax.div, lax.div),
+    _binary(_mul_solve, _mul_solve),
     guard=Guard(
         "the known factor is 0 or subnormal, so the product lost it", _mul_ok, _const_normal
     ),
+    kinds=_RING,
+    domain=_mul_domain,
+    bound=Bound(
+        "the product underflowed or was rounded beyond the tolerance of the rebuilt factor's scale",
+        _mul_bound,
+    ),
 )
 # y = a / b: a = y * b (b finite and nonzero keeps it exact); b = a / y (y finite and nonzero).
+# Integer division rounds: not one-to-one.
 _RULES[prims.div_p] = PrimitiveRule(
     _binary(lax.mul, lambda y, a: lax.div(a, y)),
     guard=Guard(
         "a known operand is 0, infinite or subnormal, so the quotient lost the other one",
         _finite_result,
         _div_static,
+    ),
+    kinds=_INEXACT,
+    bound=Bound(
+        "the quotient underflowed or was rounded beyond the tolerance of the rebuilt operand's "
+        "scale",
+        _div_bound,
     ),
 )
 
@@ -310,38 +536,96 @@ def _expm1_ok(invals, outvals, new, unknown, **params):
     return jnp.all(jnp.isfinite(y) & (y + 1 >= 0.125))
 
 
+def _bounded(text: str, error: Callable[[Any, Any, float, float], Any]) -> Bound:
+    return Bound(text, _unary_bound(error))
+
+
+_LN2 = float(np.log(2.0))
+# exp near 1 (x near 0) leaves log(y) only the absolute precision of y: x = 1e-5 keeps 2 digits.
+_EXP_BOUND = _bounded(
+    "exp(x) is too close to 1 (or underflowed): log of it cannot rebuild x to the tolerance",
+    lambda y, a, u, tiny: u + tiny / jnp.abs(y),
+)
 _RULES[prims.exp_p] = PrimitiveRule(
-    _unary(lax.log), guard=Guard("exp underflowed to 0 (or overflowed)", _exp_ok)
+    _unary(lax.log),
+    guard=Guard("exp underflowed to 0 (or overflowed)", _exp_ok),
+    bound=_EXP_BOUND,
 )
 _RULES[prims.exp2_p] = PrimitiveRule(
-    _unary(jnp.log2), guard=Guard("exp2 underflowed to 0 (or overflowed)", _exp_ok)
+    _unary(jnp.log2),
+    guard=Guard("exp2 underflowed to 0 (or overflowed)", _exp_ok),
+    bound=_bounded(
+        "exp2(x) is too close to 1 (or underflowed): log2 of it cannot rebuild x",
+        lambda y, a, u, tiny: (u + tiny / jnp.abs(y)) / _LN2,
+    ),
 )
 _RULES[prims.expm1_p] = PrimitiveRule(
-    _unary(lax.log1p), guard=Guard("expm1 saturated near -1 (or overflowed)", _expm1_ok)
+    _unary(lax.log1p),
+    guard=Guard("expm1 saturated near -1 (or overflowed)", _expm1_ok),
+    bound=_bounded(
+        "expm1 lost x's precision (saturated near -1 or underflowed)",
+        lambda y, a, u, tiny: (u * jnp.abs(y) + tiny) / jnp.abs(1 + y),
+    ),
 )
-_RULES[prims.log_p] = PrimitiveRule(_unary(lax.exp))
-_RULES[prims.log1p_p] = PrimitiveRule(_unary(lax.expm1))
-# sqrt is one-to-one on x >= 0, the only inputs with a real output.
-_RULES[prims.sqrt_p] = PrimitiveRule(_unary(lambda y: y * y))
+# exp(log x): log rounded to half an ulp of |log x|, which is a relative error of x: large for
+# huge or tiny x.
+_RULES[prims.log_p] = PrimitiveRule(
+    _unary(lax.exp),
+    bound=_bounded(
+        "log(x) is too large in magnitude for exp to rebuild x to the tolerance",
+        lambda y, a, u, tiny: jnp.abs(a) * u * (jnp.abs(y) + 1) + tiny,
+    ),
+)
+_RULES[prims.log1p_p] = PrimitiveRule(
+    _unary(lax.expm1),
+    bound=_bounded(
+        "log1p(x) is too large in magnitude for expm1 to rebuild x to the tolerance",
+        lambda y, a, u, tiny: jnp.abs(1 + a) * u * jnp.abs(y) + tiny,
+    ),
+)
+# sqrt is one-to-one on x >= 0, the only inputs with a real output; y * y may underflow.
+_RULES[prims.sqrt_p] = PrimitiveRule(
+    _unary(lambda y: y * y),
+    bound=_bounded("sqrt(x)^2 underflowed", lambda y, a, u, tiny: 2 * u * jnp.abs(a) + tiny),
+)
+# (1 / y)^2, not 1 / y^2: y^2 underflows for rsqrt of a huge finite x (1e38). Rounding only.
 _RULES[prims.rsqrt_p] = PrimitiveRule(
-    _unary(lambda y: lax.div(jnp.ones_like(y), y * y)),
+    _unary(lambda y: lax.square(lax.div(jnp.ones_like(y), y))),
     guard=Guard("rsqrt of a huge value underflowed", _finite_result),
 )
-_RULES[prims.cbrt_p] = PrimitiveRule(_unary(lambda y: y * y * y))
-# sinh / asinh are bijections of the real line, well conditioned in both directions.
-_RULES[prims.sinh_p] = PrimitiveRule(_unary(lax.asinh))
-_RULES[prims.asinh_p] = PrimitiveRule(_unary(lax.sinh))
+_RULES[prims.cbrt_p] = PrimitiveRule(
+    _unary(lambda y: y * y * y),
+    bound=_bounded("cbrt(x)^3 underflowed", lambda y, a, u, tiny: 3 * u * jnp.abs(a) + tiny),
+)
+# sinh / asinh are bijections of the real line. Complex exp / sinh / log are periodic or
+# branch-cut: the rules above are registered for real floats only (the default kinds).
+_RULES[prims.sinh_p] = PrimitiveRule(
+    _unary(lax.asinh),
+    bound=_bounded(
+        "asinh cannot rebuild x from sinh(x) to the tolerance",
+        lambda y, a, u, tiny: u * jnp.abs(y) / jnp.sqrt(1 + y * y) + tiny,
+    ),
+)
+# sinh(asinh x) multiplies asinh's rounding by |asinh x| (relative): x = 1e4 keeps 6 digits.
+_RULES[prims.asinh_p] = PrimitiveRule(
+    _unary(lax.sinh),
+    bound=_bounded(
+        "asinh(x) is too large for sinh to rebuild x to the tolerance",
+        lambda y, a, u, tiny: u * jnp.abs(y) * jnp.cosh(y),
+    ),
+)
 # Not registered: tanh / logistic / erf (bijections, but the inverse loses all precision where
 # the forward saturates), cumsum (differences of partial sums cancel catastrophically), square /
 # abs / integer_pow with even powers (two-to-one), reduce_precision (lossy).
 
 
 # --- identities on values ---------------------------------------------------------------------
+# Identities and layout changes move values without arithmetic: exact for every dtype.
 for _p in (prims.copy_p, prims.name_p, prims.stop_gradient_p, prims.sharding_constraint_p):
-    _RULES[_p] = PrimitiveRule(identity)
+    _RULES[_p] = PrimitiveRule(identity, kinds=_ANY)
 # device_put / optimization_barrier map n operands to n equal outputs: any subset is known.
-_RULES[prims.device_put_p] = PrimitiveRule(identity, check=_any_subset)
-_RULES[optimization_barrier_p] = PrimitiveRule(identity, check=_any_subset)
+_RULES[prims.device_put_p] = PrimitiveRule(identity, check=_any_subset, kinds=_ANY)
+_RULES[optimization_barrier_p] = PrimitiveRule(identity, check=_any_subset, kinds=_ANY)
 
 
 # --- layout: a permutation or reshaping of the same elements -----------------------------------
@@ -355,17 +639,18 @@ def _reshape(invals, outvals, *, new_sizes, dimensions, **params):
     return [lax.transpose(lax.reshape(y, permuted), tuple(np.argsort(dimensions)))]
 
 
-_RULES[prims.reshape_p] = PrimitiveRule(_reshape, (0,))
+_RULES[prims.reshape_p] = PrimitiveRule(_reshape, (0,), kinds=_ANY)
 _RULES[prims.squeeze_p] = PrimitiveRule(
-    lambda invals, outvals, **_: [lax.reshape(outvals[0], invals[0].shape)]
+    lambda invals, outvals, **_: [lax.reshape(outvals[0], invals[0].shape)], kinds=_ANY
 )
 _RULES[prims.transpose_p] = PrimitiveRule(
     lambda invals, outvals, *, permutation: [
         lax.transpose(outvals[0], tuple(np.argsort(permutation)))
-    ]
+    ],
+    kinds=_ANY,
 )
 _RULES[prims.rev_p] = PrimitiveRule(
-    lambda invals, outvals, *, dimensions: [lax.rev(outvals[0], dimensions)]
+    lambda invals, outvals, *, dimensions: [lax.rev(outvals[0], dimensions)], kinds=_ANY
 )
 
 
@@ -383,7 +668,7 @@ def _broadcast_in_dim(invals, outvals, *, shape, broadcast_dimensions, sharding)
     return [lax.reshape(sliced, x.shape), *invals[1:]]
 
 
-_RULES[prims.broadcast_in_dim_p] = PrimitiveRule(_broadcast_in_dim, (0,))
+_RULES[prims.broadcast_in_dim_p] = PrimitiveRule(_broadcast_in_dim, (0,), kinds=_ANY)
 
 
 def _concatenate(invals, outvals, *, dimension):
@@ -397,7 +682,7 @@ def _concatenate(invals, outvals, *, dimension):
 
 
 # Operands are disjoint slices of the output: any subset of them is recovered by slicing.
-_RULES[prims.concatenate_p] = PrimitiveRule(_concatenate, check=_any_subset)
+_RULES[prims.concatenate_p] = PrimitiveRule(_concatenate, check=_any_subset, kinds=_ANY)
 
 
 def _split(invals, outvals, *, sizes, axis):
@@ -405,7 +690,7 @@ def _split(invals, outvals, *, sizes, axis):
     return [lax.concatenate(list(outvals), axis)]
 
 
-_RULES[split_p] = PrimitiveRule(_split, (0,))
+_RULES[split_p] = PrimitiveRule(_split, (0,), kinds=_ANY)
 
 
 def _pad(invals, outvals, *, padding_config):
@@ -430,7 +715,7 @@ def _pad_check(params, in_avals, unknown):
 
 
 # Positive padding keeps every operand element at a known position of the output.
-_RULES[prims.pad_p] = PrimitiveRule(_pad, (0,), _pad_check)
+_RULES[prims.pad_p] = PrimitiveRule(_pad, (0,), _pad_check, kinds=_ANY)
 
 
 # --- dtype changes ------------------------------------------------------------------------------
@@ -459,11 +744,21 @@ def _convert_check(params, in_avals, unknown):
     return _exact_cast(in_avals[0].dtype, params["new_dtype"])
 
 
+def _convert_back(invals, outvals, **params):
+    del params
+    (y,), dtype = outvals, invals[0].dtype
+    if jnp.issubdtype(y.dtype, jnp.inexact) and not jnp.issubdtype(dtype, jnp.inexact):
+        # An integer (or bool) widened to float comes back by rounding, not truncation: a
+        # rebuilt 52.99999 is 53 (the float inverses' bounds keep the error far below 1/2).
+        y = lax.round(y, lax.RoundingMethod.TO_NEAREST_EVEN)
+        if dtype == np.bool_:
+            return [y != 0]
+    return [lax.convert_element_type(y, dtype)]
+
+
 # Widening casts are injective, so converting back is exact; narrowing ones round.
 _RULES[prims.convert_element_type_p] = PrimitiveRule(
-    lambda invals, outvals, **params: [lax.convert_element_type(outvals[0], invals[0].dtype)],
-    (0,),
-    _convert_check,
+    _convert_back, (0,), _convert_check, kinds=_ANY
 )
 
 
@@ -479,4 +774,5 @@ _RULES[prims.bitcast_convert_type_p] = PrimitiveRule(
     lambda invals, outvals, **params: [lax.bitcast_convert_type(outvals[0], invals[0].dtype)],
     (0,),
     _bitcast_check,
+    kinds=_ANY,
 )

@@ -129,7 +129,8 @@ def _detail(analysis, index: int, action: str, step) -> str:
         known = [p for p in range(len(eqn.invars)) if p not in d.unknown]
         text = f"operand(s) {ops} reconstructed" + (f"; {known} known" if known else "")
     if step.check:
-        text += f"; checked at run time ({d.assessment.lossy})"
+        a = d.assessment
+        text += "; checked at run time (" + "; or ".join(w for w in (a.lossy, a.bounded) if w) + ")"
     return text
 
 
@@ -180,7 +181,7 @@ def inversion_report(fun: Callable, *args: Any, **kwargs: Any) -> InversionRepor
     checked = tuple(
         (display(analysis.eqns[s.eqn]), where(analysis.eqns[s.eqn]), s.derivation.assessment.lossy)
         for s in analysis.schedule(True, False).steps
-        if s.check
+        if s.check and s.derivation.assessment.lossy
     )
     return InversionReport(
         entries=tuple(entries),

@@ -31,7 +31,9 @@ _FAILED_CHECK = """\
 rn.invertible: rebuilding an operand of `{prim}` at {where} from its output lost information at
 run time: {reason}. The gradient would not be finite or not be exact, so the step stops here.
 Fix: rn.invertible(f, fallback="recompute") keeps the input this value comes from and recomputes
-it instead of inverting `{prim}`; or give this part an explicit inverse with rn.custom_ivjp."""
+it instead of inverting `{prim}` where a value can destroy it; rn.invertible(f, rtol=...) loosens
+the rounding tolerance (relative to the rebuilt tensor's max |value|); or give this part an
+explicit inverse with rn.custom_ivjp."""
 
 
 @dataclasses.dataclass
@@ -84,8 +86,9 @@ def build_schedule(analysis: Analysis, want_cts: bool, want_inputs: bool) -> Wal
             steps.append(Step("forward", d.eqn))
             avail.update(v for v in eqn.outvars if is_var(v))
             return
-        lossy = d.assessment.lossy if d.assessment is not None else None
-        check = _register_check(eqn, lossy) if lossy is not None else 0
+        a = d.assessment
+        why = None if a is None else "; or ".join(w for w in (a.lossy, a.bounded) if w)
+        check = _register_check(eqn, why) if why else 0
         steps.append(Step(action, d.eqn, d, check))
         avail.update(a for p, a in enumerate(eqn.invars) if p in d.unknown and is_var(a))
 
@@ -148,6 +151,16 @@ def combine_codes(code: Any, new: Any) -> Any:
     return jnp.where(code != 0, code, new)
 
 
+def _tie(env: dict, vs: list, code: Any) -> None:
+    """Makes the rebuilt float values ``vs`` depend on the running check ``code`` at no cost
+    (``x - 0 * code`` is ``x`` bit for bit, -0.0 and NaN included), so XLA folds each step's
+    check in as the walk goes instead of holding every step's scalar until the end."""
+    for v in vs:
+        x = env.get(v) if is_var(v) else None
+        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            env[v] = x - jnp.zeros((), x.dtype) * code.astype(x.dtype)
+
+
 def _accumulate(ct: dict, v: Any, c: Any) -> None:
     if c is None or jax.dtypes.result_type(c) == jax.dtypes.float0:
         return
@@ -205,7 +218,9 @@ def execute(
                 env.setdefault(eqn.invars[p], rebuilt[p])
             if result is not None and jnp.result_type(result) == np.bool_:
                 result = jnp.where(result, 0, step.check).astype(jnp.int32)
-            code = combine_codes(code, result)
+            if result is not None:
+                code = combine_codes(code, result)
+                _tie(env, [eqn.invars[p] for p in d.unknown], code)
             for a, c in zip(eqn.invars, in_cts or (), strict=False):
                 if is_var(a):
                     _accumulate(ct, a, c)
@@ -213,9 +228,8 @@ def execute(
             couts = [ct.pop(v, None) if is_var(v) else None for v in eqn.outvars]
             if any(c is not None for c in couts):
                 ins = [read(env, a) for a in eqn.invars]
-                for a, c in zip(
-                    eqn.invars, eqn_vjp(eqn, ins, couts, schedule.vjp_cache), strict=True
-                ):
+                in_cts = eqn_vjp(eqn, ins, couts, schedule.vjp_cache, analysis.active(step.eqn))
+                for a, c in zip(eqn.invars, in_cts, strict=True):
                     if is_var(a):
                         _accumulate(ct, a, c)
         for v in step.free:
