@@ -181,10 +181,10 @@ def test_the_buffers_at_the_peak_sum_to_xla_peak(program):
         assert any(c.startswith("argument: params") for c in roles.values())
 
 
-def test_compiled_memory_explain_and_the_timeline_files(tmp_path):
+def test_explaining_a_compiled_memory_and_the_timeline_files(tmp_path):
     x = jnp.ones((128, 128))
     m = rn.compiled_memory(known_peak, x)
-    r = m.explain()
+    r = rn.PeakReport.of(m)
     assert (
         r.peak_bytes == m.peak_bytes and r.peak_index == rn.explain_peak(known_peak, x).peak_index
     )
@@ -193,7 +193,7 @@ def test_compiled_memory_explain_and_the_timeline_files(tmp_path):
     assert data["peak_index"] == r.peak_index and data["xla_peak_bytes"] == m.peak_bytes
     assert len(data["schedule"]) == len(data["bytes"]["argument"])
     with pytest.raises(ValueError, match="explain_peak"):
-        rn.CompiledMemory(0, 0, 0, 0).explain()
+        rn.PeakReport.of(rn.CompiledMemory(0, 0, 0, 0))
 
 
 def test_the_readme_example_runs_and_prints_its_excerpt(tmp_path, monkeypatch, capsys):
