@@ -333,16 +333,6 @@ class CompiledMemory:
             - self.host_alias_size_in_bytes
         )
 
-    def explain(self) -> Any:
-        """The buffers live at this program's peak: ``rn.explain_peak`` on the same function
-        and arguments (compiled again, with XLA's dump). Returns a ``rn.PeakReport``."""
-        if "explain" not in self.extra:
-            raise ValueError(
-                "CompiledMemory.explain: this result was not made by rn.compiled_memory, so it "
-                "does not know its function. Fix: call rn.explain_peak(fn, *args) directly."
-            )
-        return self.extra["explain"]()
-
     def __str__(self) -> str:
         rows = [
             ("temp", self.temp_size_in_bytes),
@@ -387,11 +377,14 @@ def compiled_memory(
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     out = _from_stats(m, float((cost or {}).get("flops", float("nan"))))
-    from remat_nn._peak import explain_later
+    # What was compiled, as shapes (rn.PeakReport.of compiles it again to explain the peak).
+    call = (fn, *_shapes((args, kwargs)), dict(jit_kwargs or {}))
+    return dataclasses.replace(out, extra={**out.extra, "call": call})
 
-    return dataclasses.replace(
-        out, extra={**out.extra, "explain": explain_later(fn, args, kwargs, jit_kwargs)}
-    )
+
+def _shapes(tree: Any) -> Any:
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    return jax.tree.map(lambda x: spec(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _from_stats(m: Any, flops: float) -> CompiledMemory:

@@ -129,6 +129,18 @@ class PeakReport:
     timeline: Mapping[str, tuple[int, ...]] = field(repr=False)
     host_buffers: tuple[Buffer, ...] = ()
 
+    @classmethod
+    def of(cls, compiled: CompiledMemory) -> PeakReport:
+        """The buffers at the peak of what ``rn.compiled_memory`` compiled (compiled again,
+        with XLA's dump)."""
+        if "call" not in compiled.extra:
+            raise ValueError(
+                "PeakReport.of: this CompiledMemory was not made by rn.compiled_memory, so it "
+                "does not know its function. Fix: call rn.explain_peak(fn, *args) directly."
+            )
+        fn, args, kwargs, jit_kwargs = compiled.extra["call"]
+        return explain_peak(fn, *args, jit_kwargs=jit_kwargs, **kwargs)
+
     @property
     def peak_bytes(self) -> int:
         """Bytes of every buffer counted at the peak (fragmentation included)."""

@@ -2,8 +2,8 @@
 uninterrupted run: ``python -m tests.kill_loop --kills 20 [--seed 0]``. Not part of the suite.
 
 A run (the fault tests' tiny MLP on digits: 40 steps, a checkpoint every 4, ``keep=1``, the best
-by eval loss kept too, asynchronous saves) is killed again and again until it finishes; then a
-new run directory starts, until ``--kills`` kills have landed. Each kill is one of:
+by eval loss kept too, asynchronous saves) is killed ``--kills-per-run`` times, then run to its
+end; then a new run directory starts, until ``--kills`` kills have landed. Each kill is one of:
 
 - ``timed``: SIGKILL from this process a random moment after the child's n-th log line (during
   training, an asynchronous save, its manifest or the pruning of older steps);
@@ -148,6 +148,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.kill_loop", description=__doc__)
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kills-per-run",
+        type=int,
+        default=6,
+        help="then the run is finished, and a new one starts",
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kill_loop_"))
@@ -168,10 +174,10 @@ def main() -> int:
         while kills < args.kills:
             runs += 1
             run_dir = work / f"run{runs}"
-            attempts = 0
+            attempts, run_kills = 0, 0
             while True:
                 attempts += 1
-                if kills >= args.kills:  # enough: run it to its end
+                if kills >= args.kills or run_kills >= args.kills_per_run:  # run it to its end
                     proc, lines = start(run_dir)
                     out = []
                     kind, code, out_text = "none", finish(proc, lines, out), ""
@@ -181,6 +187,7 @@ def main() -> int:
                     kind, code, out_text = one_attempt(run_dir, rng, starts)
                 if code == -signal.SIGKILL:
                     kills += 1
+                    run_kills += 1
                     kinds[kind.split("@")[0]] += 1
                     now = resumable_step(run_dir)
                     print(

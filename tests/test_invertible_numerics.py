@@ -318,13 +318,13 @@ _W = 0.5 * jnp.eye(3) + 0.1
             (jnp.ones(3, jnp.bfloat16), jnp.full(3, 1e-39, jnp.bfloat16)),
             "refused",
         ),
-        ("asinh_huge", lambda x: jnp.arcsinh(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
-        ("log_huge", lambda x: jnp.log(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
+        ("asinh_huge", lambda x: jnp.arcsinh(x), (jnp.array([1e38, 1.0, 2.0]),), "refused"),
+        ("log_huge", lambda x: jnp.log(x), (jnp.array([1e38, 1.0, 2.0]),), "refused"),
         ("near_zero_beside_large", lambda x: jnp.exp(x), (jnp.array([1e-9, 1.0, 2.0]),), "match"),
         # the edge of each remaining floating rule's domain
         ("expm1_saturated", lambda x: jnp.expm1(x), (jnp.array([-20.0, -19.0, -18.0]),), "refused"),
         ("exp2_near_1", lambda x: jnp.exp2(x), (jnp.full(3, 1e-6),), "refused"),
-        ("log1p_huge", lambda x: jnp.log1p(x), (jnp.array([1e30, 1.0, 2.0]),), "refused"),
+        ("log1p_huge", lambda x: jnp.log1p(x), (jnp.array([1e38, 1.0, 2.0]),), "refused"),
         ("sqrt_f16_underflow", lambda x: jnp.sqrt(x), (jnp.full(3, 1e-7, jnp.float16),), "refused"),
         ("cbrt_f16_underflow", lambda x: jnp.cbrt(x), (jnp.full(3, 1e-7, jnp.float16),), "refused"),
         ("sub_big_branch", lambda x, b: (1e5 * jnp.tanh(b) - x, b), (_X, _X), "refused"),
@@ -340,7 +340,7 @@ def test_floating_inversions_are_bounded(name, f, args, outcome):
 
 
 def test_the_tolerance_is_adjustable():
-    f, args = _coupling_scaled(30.0), (_X, _X, _W)
+    f, args = _coupling_scaled(300.0), (_X, _X, _W)
     assert _exact_or_refused(f, *args) == "refused"
     assert _exact_or_refused(f, *args, tol=1e-4, rtol=1e-4) == "match"
     with pytest.raises(ValueError, match="rtol"):

@@ -135,9 +135,30 @@ def _scan_grad():
     return jax.grad(lambda w, x: _mlp_scan(w, x, rn.policy("save=mlp_hidden"))), SCAN_ARGS, {}
 
 
+def _offloaded_scan_grad():
+    # XLA:CPU has one memory: the offloaded residual is placed in device memory, as XLA counts.
+    return jax.grad(lambda w, x: _mlp_scan(w, x, rn.policy("offload=mlp_hidden"))), SCAN_ARGS, {}
+
+
+def _sharded_grad():
+    # Batch sharded over 8 devices: one device's program, its peak as XLA counts it per device.
+    mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    w = jax.ShapeDtypeStruct((6, 32, 32), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=rows)
+    return jax.grad(lambda w, x: _mlp_scan(w, x, rn.policy("save=mlp_hidden"))), (w, x), {}
+
+
 @pytest.mark.parametrize(
     "program",
-    [_transformer_step, _revnet_grad, _donated_train_step, _scan_grad],
+    [
+        _transformer_step,
+        _revnet_grad,
+        _donated_train_step,
+        _scan_grad,
+        _offloaded_scan_grad,
+        _sharded_grad,
+    ],
     ids=lambda f: f.__name__,
 )
 def test_the_buffers_at_the_peak_sum_to_xla_peak(program):
@@ -150,6 +171,8 @@ def test_the_buffers_at_the_peak_sum_to_xla_peak(program):
     frag = sum(b.nbytes for b in r.buffers if b.category == "fragmentation")
     assert at_peak + frag == want
     assert max(sum(v[t] for v in r.timeline.values()) for t in range(len(r.schedule))) == at_peak
+    if program is _sharded_grad:  # one device's program: an eighth of the batch
+        assert [b.nbytes for b in r.buffers if b.name == "x"] == [64 * 32 * 4 // 8]
     if jit_kwargs:  # donated: the state's arguments are donated, the batch is not
         roles = {b.name: b.category for b in r.buffers if b.category.startswith("argument")}
         assert roles["batch"] == "argument: batch", roles
@@ -158,10 +181,10 @@ def test_the_buffers_at_the_peak_sum_to_xla_peak(program):
         assert any(c.startswith("argument: params") for c in roles.values())
 
 
-def test_compiled_memory_explain_and_the_timeline_files(tmp_path):
+def test_explaining_a_compiled_memory_and_the_timeline_files(tmp_path):
     x = jnp.ones((128, 128))
     m = rn.compiled_memory(known_peak, x)
-    r = m.explain()
+    r = rn.PeakReport.of(m)
     assert (
         r.peak_bytes == m.peak_bytes and r.peak_index == rn.explain_peak(known_peak, x).peak_index
     )
@@ -170,7 +193,7 @@ def test_compiled_memory_explain_and_the_timeline_files(tmp_path):
     assert data["peak_index"] == r.peak_index and data["xla_peak_bytes"] == m.peak_bytes
     assert len(data["schedule"]) == len(data["bytes"]["argument"])
     with pytest.raises(ValueError, match="explain_peak"):
-        rn.CompiledMemory(0, 0, 0, 0).explain()
+        rn.PeakReport.of(rn.CompiledMemory(0, 0, 0, 0))
 
 
 def test_the_readme_example_runs_and_prints_its_excerpt(tmp_path, monkeypatch, capsys):

@@ -431,10 +431,11 @@ class Config(_Section):
     optim: Optim = Field(default_factory=Optim)  # type: ignore[arg-type]
     train: Train = Field(default_factory=Train)  # type: ignore[arg-type]
     checkpoint: Checkpoint = safe_field(default_factory=Checkpoint)  # type: ignore[arg-type]
-    init_from: InitFrom | None = Field(
+    init_from: InitFrom | None = safe_field(
         None,
         description="{path: ..., what: params|all}: initialise a fresh run from another run's "
-        "checkpoint instead of the model's init (see init_from.path, init_from.what)",
+        "checkpoint instead of the model's init (see init_from.path, init_from.what); ignored "
+        "once the run has a checkpoint of its own",
     )
     mesh: Mesh = Field(default_factory=Mesh)  # type: ignore[arg-type]
     distributed: Distributed = safe_field(default_factory=Distributed)  # type: ignore[arg-type]
