@@ -192,6 +192,9 @@ def test_explaining_a_compiled_memory_and_the_timeline_files(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["peak_index"] == r.peak_index and data["xla_peak_bytes"] == m.peak_bytes
     assert len(data["schedule"]) == len(data["bytes"]["argument"])
+    donated = rn.compiled_memory(lambda a: a * 2.0, x, jit_kwargs={"donate_argnums": 0})
+    assert donated.alias_size_in_bytes == x.nbytes
+    assert rn.PeakReport.of(donated).peak_bytes == donated.peak_bytes  # jit_kwargs kept
     with pytest.raises(ValueError, match="explain_peak"):
         rn.PeakReport.of(rn.CompiledMemory(0, 0, 0, 0))
 
