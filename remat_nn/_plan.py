@@ -21,6 +21,7 @@ import jax
 import yaml
 
 from remat_nn._jax_internals import checkpoint_name_of, core, name_p, pe, sub_jaxprs
+from remat_nn._policies import checked_names
 from remat_nn.errors import PlanError
 
 __all__ = ["ACTIONS", "Plan", "names_in_jaxpr", "plan"]
@@ -266,13 +267,14 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
 
 
 def as_plan(spec: Any) -> Plan | None:
-    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string), or
-    None for a policy name, a callable or None."""
+    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string, or a
+    policy :func:`remat_nn.policy` built from a name factory: the plan of those names), or None
+    for a policy name, another callable or None."""
     if isinstance(spec, Plan):
         return spec
     if isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec):
         return plan(spec)
-    return None
+    return checked_names(spec)
 
 
 # --- finding names in traced code -------------------------------------------------------------
