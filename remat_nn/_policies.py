@@ -125,14 +125,18 @@ _NOT_A_POLICY = (
 
 
 # The names a policy built by a name factory refers to, as the plan that checks them: remat
-# wrappers look its policy up here and check the names at first trace, as for a plan. JAX's
-# name-list classes compare by value (kept by value: one entry per set of names); the offload
-# factory returns a new function per call (kept while the function lives).
+# wrappers look its policy up here and check the names at first trace, as for a plan. Keyed by
+# identity (JAX's name-list classes compare by value, and a policy JAX's own factory made is not
+# ours to check), each entry dropped when its policy is collected.
 _NAME_FACTORIES = frozenset(
     {"save_only_these_names", "save_any_names_but_these", "save_and_offload_only_these_names"}
 )
-_NAMED_BY_VALUE: dict[Any, Any] = {}
-_NAMED_BY_ID: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_NAMED: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+
+def _remember_names(made: Any, names: Any) -> None:
+    key = id(made)
+    _NAMED[key] = (weakref.ref(made, lambda _: _NAMED.pop(key, None)), names)
 
 
 def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -151,16 +155,8 @@ def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> A
 def checked_names(policy: Any) -> Any:
     """The :class:`remat_nn.Plan` whose names a policy built by :func:`policy` from a name
     factory must find in the body it runs on (None for any other policy)."""
-    try:
-        found = _NAMED_BY_VALUE.get(policy)
-    except TypeError:  # unhashable: not one of ours
-        return None
-    if found is None:
-        try:
-            found = _NAMED_BY_ID.get(policy)
-        except TypeError:
-            return None
-    return found
+    entry = _NAMED.get(id(policy))
+    return entry[1] if entry is not None and entry[0]() is policy else None
 
 
 def _unknown(spec: str) -> PolicyError:
@@ -258,11 +254,7 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
         )
     made = entry.obj(*args, **kwargs)
     if key in _NAME_FACTORIES:
-        names = _names_plan(key, args, kwargs)
-        if getattr(type(made), "__eq__", None) is not object.__eq__:
-            _NAMED_BY_VALUE[made] = names
-        else:
-            _NAMED_BY_ID[made] = names
+        _remember_names(made, _names_plan(key, args, kwargs))
     return made
 
 

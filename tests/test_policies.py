@@ -157,6 +157,10 @@ def test_name_factory_typos_are_plan_errors_at_first_trace(factory, args):
         rnn.remat(Layer, policy=policy)().init(jax.random.key(0), args[0])
     # Names that occur pass: the same factory, spelled right.
     fixed = rn.policy(factory, *fixed_pos, **fixed_kw)
+    # A policy JAX's own factory made is JAX's: rn.checkpoint runs it as jax.checkpoint does.
+    jax.grad(rn.checkpoint(net, policy=jax.checkpoint_policies.save_only_these_names("actt")))(
+        *args
+    )
     jax.grad(rn.checkpoint(net, policy=fixed))(*args)
 
 
