@@ -12,6 +12,7 @@ maxtext#4990).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,6 @@ import jax
 import yaml
 
 from remat_nn._jax_internals import checkpoint_name_of, core, name_p, pe, sub_jaxprs
-from remat_nn._policies import checked_names
 from remat_nn.errors import PlanError
 
 __all__ = ["ACTIONS", "Plan", "names_in_jaxpr", "plan"]
@@ -264,6 +264,25 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
         if mapping.get(action) is None:
             mapping.pop(action, None)
     return Plan(**mapping)
+
+
+# Policies rn.policy built from a name factory (save_only_these_names, ...) -> the plan of their
+# names, which remat wrappers check at first trace as for a plan. Keyed by identity (JAX's
+# name-list classes compare by value, and a policy JAX's own factory made is not ours to check),
+# each entry dropped when its policy is collected.
+_NAMED: dict[int, tuple[weakref.ref[Any], Plan]] = {}
+
+
+def remember_names(policy: Any, names: Plan) -> None:
+    """Records that ``policy`` (built by :func:`remat_nn.policy`) refers to ``names``' names."""
+    key = id(policy)
+    _NAMED[key] = (weakref.ref(policy, lambda _: _NAMED.pop(key, None)), names)
+
+
+def checked_names(policy: Any) -> Plan | None:
+    """The plan :func:`remember_names` recorded for ``policy``, or None."""
+    entry = _NAMED.get(id(policy))
+    return entry[1] if entry is not None and entry[0]() is policy else None
 
 
 def as_plan(spec: Any) -> Plan | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -124,19 +123,10 @@ _NOT_A_POLICY = (
 )
 
 
-# The names a policy built by a name factory refers to, as the plan that checks them: remat
-# wrappers look its policy up here and check the names at first trace, as for a plan. Keyed by
-# identity (JAX's name-list classes compare by value, and a policy JAX's own factory made is not
-# ours to check), each entry dropped when its policy is collected.
+# The factories whose names are checked as a plan's are (remat_nn._plan.remember_names).
 _NAME_FACTORIES = frozenset(
     {"save_only_these_names", "save_any_names_but_these", "save_and_offload_only_these_names"}
 )
-_NAMED: dict[int, tuple[weakref.ref[Any], Any]] = {}
-
-
-def _remember_names(made: Any, names: Any) -> None:
-    key = id(made)
-    _NAMED[key] = (weakref.ref(made, lambda _: _NAMED.pop(key, None)), names)
 
 
 def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -150,13 +140,6 @@ def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> A
         save=list(kwargs.get("names_which_can_be_saved", ())),
         offload=list(kwargs.get("names_which_can_be_offloaded", ())),
     )
-
-
-def checked_names(policy: Any) -> Any:
-    """The :class:`remat_nn.Plan` whose names a policy built by :func:`policy` from a name
-    factory must find in the body it runs on (None for any other policy)."""
-    entry = _NAMED.get(id(policy))
-    return entry[1] if entry is not None and entry[0]() is policy else None
 
 
 def _unknown(spec: str) -> PolicyError:
@@ -210,7 +193,7 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
     ...
     remat_nn.errors.PolicyError: rn.policy: unknown policy name 'dots_savable'. Did you mean ...
     """
-    from remat_nn._plan import Plan, plan  # a plan compiles to a policy; plans import policies
+    from remat_nn._plan import Plan, plan, remember_names  # a plan compiles to a policy
 
     if spec is None or (callable(spec) and not isinstance(spec, str | Plan)):
         if args or kwargs:
@@ -254,7 +237,7 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
         )
     made = entry.obj(*args, **kwargs)
     if key in _NAME_FACTORIES:
-        _remember_names(made, _names_plan(key, args, kwargs))
+        remember_names(made, _names_plan(key, args, kwargs))
     return made
 
 
