@@ -296,7 +296,7 @@ class CompiledMemory:
     ``temp_bytes`` is XLA's temp (activations, residuals kept for the backward pass and scratch),
     ``argument_bytes`` / ``output_bytes`` the inputs and outputs, ``alias_bytes`` the outputs
     written in place of donated inputs. ``peak_bytes`` is temp + argument + output - alias:
-    XLA:CPU's own ``peak_memory_in_bytes`` is not a peak (README.md, "Measuring memory"; the
+    XLA:CPU's own ``peak_memory_in_bytes`` is not a peak (docs/library.md, "Measuring memory"; the
     tests check ``peak_bytes`` against the buffers live at once, counted by hand). XLA's own
     names (``temp_size_in_bytes``, ...) read the same values.
 
