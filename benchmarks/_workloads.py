@@ -30,11 +30,11 @@ def compile_step(
     compiled = jax.jit(fn, **jit_kwargs).lower(*args).compile()
     m = compiled.memory_analysis()
     memory = rn.CompiledMemory(
-        temp_size_in_bytes=int(m.temp_size_in_bytes),
-        argument_size_in_bytes=int(m.argument_size_in_bytes),
-        output_size_in_bytes=int(m.output_size_in_bytes),
-        alias_size_in_bytes=int(m.alias_size_in_bytes),
-        generated_code_size_in_bytes=int(m.generated_code_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes),
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        generated_code_bytes=int(m.generated_code_size_in_bytes),
     )
     return compiled, memory
 

@@ -24,8 +24,12 @@ from the working directory or ``PYTHONPATH`` — a function or a ``flax.linen.Mo
   - parameters named ``num_classes``, ``vocab_size``, ``image_size``, ``in_channels``,
     ``num_outputs`` are filled
     from the data when the config leaves them out, ``dtype`` from ``train.compute_dtype``;
-  - a parameter named ``remat`` receives the config's ``remat:`` as a :class:`remat_nn.Plan` (or
-    the string ``"none"``); without one, ``remat:`` must stay unset.
+  - a parameter named ``remat`` receives the config's ``remat:``, resolved: ``"none"`` (no
+    remat), a policy name or alias (``"full"``, ``"dots"``, ...: :data:`MODULE_REMAT_PRESETS`)
+    or a :class:`remat_nn.Plan` (a plan mapping, or the plan ``{policy: auto}`` chose). Hand it
+    to ``remat_nn.nn.remat(Block, policy=remat)`` (or ``remat_nn.nnx.remat``), which takes all
+    of them (``"none"`` returns ``Block`` itself) and keeps the parameter tree the same whatever
+    the value. Without a ``remat`` parameter, ``remat:`` must stay unset.
 
 :func:`from_module` turns the reference into a :class:`ModelSpec`; what cannot be used (no colon,
 a module that does not import, a missing attribute, something not callable, a non-Module result)
@@ -52,6 +56,7 @@ import pydantic
 __all__ = [
     "REGISTRY",
     "ModelSpec",
+    "MODULE_REMAT_PRESETS",
     "ModuleError",
     "build",
     "from_module",
@@ -217,8 +222,22 @@ def from_module(ref: str, *, task: Literal["classify", "lm", "regress"] = "class
         options=_options_schema(fn, ref),
         task=task,
         doc=f"your own model {ref}",
-        remat_presets=MappingProxyType({"none": None}),
+        remat_presets=MODULE_REMAT_PRESETS,
     )
+
+
+def _module_remat_presets() -> Mapping[str, Any]:
+    # Every policy name and alias that takes no arguments, handed to build as given (nn.remat
+    # resolves it); "none" (no remat) as the registered models have it.
+    import remat_nn as rn
+
+    names = [n for n, e in rn.POLICIES.items() if not e.factory] + list(rn.ALIASES)
+    return MappingProxyType({"none": None, **{n: n for n in sorted(names)}})
+
+
+#: The ``remat:`` names a ``model.module`` build takes: ``none`` and the policy names and aliases
+#: of :func:`remat_nn.policy` that take no arguments (``full``, ``dots``, ...).
+MODULE_REMAT_PRESETS: Mapping[str, Any] = _module_remat_presets()
 
 
 def _options_schema(fn: Callable[..., Any], ref: str) -> type[pydantic.BaseModel]:

@@ -5,8 +5,11 @@ This file is the table of contents: the whole public API, re-exported explicitly
 (everything here) is pure JAX and imports no flax; ``remat_nn.nn`` holds the flax.linen modules.
 
 >>> import remat_nn as rn
->>> from remat_nn import nn
+>>> from remat_nn import nn as rnn
 """
+
+#: The release; pyproject.toml reads it from here.
+__version__ = "0.1.0"
 
 # --- names: tag activations -------------------------------------------------------------------
 from remat_nn import names
@@ -66,6 +69,7 @@ from remat_nn._reversible import (
 )
 
 __all__ = [
+    "__version__",
     "ALIASES",
     "POLICIES",
     "CompiledMemory",

@@ -19,7 +19,7 @@ import jax
 
 from remat_nn._jax_internals import DeprecatedArg
 from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import for_remat3
+from remat_nn._policies import NO_REMAT, for_remat3
 from remat_nn._policies import policy as resolve_policy
 
 __all__ = ["checkpoint"]
@@ -239,7 +239,8 @@ def checkpoint(
         the non-static arguments, as in ``jax.checkpoint``); False suits a body inside
         ``lax.scan``. Ignored by JAX under its ``jax_remat3`` flag.
       policy: what to save: a policy name or alias, a plan, or a callable (see
-        :func:`remat_nn.policy` and :func:`remat_nn.plan`); None recomputes everything.
+        :func:`remat_nn.policy` and :func:`remat_nn.plan`); None recomputes everything (JAX's
+        default); ``"none"`` is no remat: ``fun`` is returned unchanged.
       static_argnums: positions of arguments to specialize on (Python values such as
         ``train=True``; hashable ones are cached by value), negative counted from the end.
       static_argnames: names of such arguments. Unlike ``jax.checkpoint`` 0.10, which applies
@@ -280,6 +281,8 @@ def checkpoint(
     fun_name = getattr(fun, "__name__", repr(fun))
     nums = check_static_argnums(static_argnums, where, {fun_name: fun}, module=False)
     names = _check_static_argnames(static_argnames, fun)
+    if policy == NO_REMAT:
+        return fun
     the_plan = as_plan(policy)
     body = fun
     if the_plan is not None and the_plan.names:

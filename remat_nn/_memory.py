@@ -286,13 +286,20 @@ def _table(title: str, key: str, groups: Mapping[str, Mapping[str, Any]]) -> str
 # --- XLA's numbers ----------------------------------------------------------------------------
 
 
+def _xla_name(short: str) -> Any:
+    return property(lambda self: getattr(self, short), doc=f"XLA's name of ``{short}``.")
+
+
 @dataclass(frozen=True)
 class CompiledMemory:
-    """XLA's compiled memory analysis of one jitted function, field names as in XLA.
+    """XLA's compiled memory analysis of one jitted function, in bytes.
 
-    ``peak_bytes`` is temp + argument + output - alias: XLA:CPU's own
-    ``peak_memory_in_bytes`` is not a peak (README.md, "Measuring memory"; the tests check
-    ``peak_bytes`` against the buffers live at once, counted by hand).
+    ``temp_bytes`` is XLA's temp (activations, residuals kept for the backward pass and scratch),
+    ``argument_bytes`` / ``output_bytes`` the inputs and outputs, ``alias_bytes`` the outputs
+    written in place of donated inputs. ``peak_bytes`` is temp + argument + output - alias:
+    XLA:CPU's own ``peak_memory_in_bytes`` is not a peak (docs/library.md, "Measuring memory"; the
+    tests check ``peak_bytes`` against the buffers live at once, counted by hand). XLA's own
+    names (``temp_size_in_bytes``, ...) read the same values.
 
     The ``host_*`` fields are XLA's counts of the same kinds in host memory (pinned host, where
     an offloaded residual goes on a GPU / TPU backend); the other fields, and ``peak_bytes``,
@@ -300,48 +307,55 @@ class CompiledMemory:
     value stays in (and is counted as) device memory.
     """
 
-    temp_size_in_bytes: int
-    argument_size_in_bytes: int
-    output_size_in_bytes: int
-    alias_size_in_bytes: int
-    generated_code_size_in_bytes: int = 0
-    host_temp_size_in_bytes: int = 0
-    host_argument_size_in_bytes: int = 0
-    host_output_size_in_bytes: int = 0
-    host_alias_size_in_bytes: int = 0
-    host_generated_code_size_in_bytes: int = 0
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int = 0
+    host_temp_bytes: int = 0
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_generated_code_bytes: int = 0
     flops: float = float("nan")
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
         """Bytes live at once at most: temporaries, arguments and outputs, less donated aliases."""
-        return (
-            self.temp_size_in_bytes
-            + self.argument_size_in_bytes
-            + self.output_size_in_bytes
-            - self.alias_size_in_bytes
-        )
+        return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
 
     @property
     def host_peak_bytes(self) -> int:
         """``peak_bytes`` of host memory: host temp + argument + output - alias."""
         return (
-            self.host_temp_size_in_bytes
-            + self.host_argument_size_in_bytes
-            + self.host_output_size_in_bytes
-            - self.host_alias_size_in_bytes
+            self.host_temp_bytes
+            + self.host_argument_bytes
+            + self.host_output_bytes
+            - self.host_alias_bytes
         )
+
+    # XLA's names (jax's CompiledMemoryStats), read-only.
+    temp_size_in_bytes = _xla_name("temp_bytes")
+    argument_size_in_bytes = _xla_name("argument_bytes")
+    output_size_in_bytes = _xla_name("output_bytes")
+    alias_size_in_bytes = _xla_name("alias_bytes")
+    generated_code_size_in_bytes = _xla_name("generated_code_bytes")
+    host_temp_size_in_bytes = _xla_name("host_temp_bytes")
+    host_argument_size_in_bytes = _xla_name("host_argument_bytes")
+    host_output_size_in_bytes = _xla_name("host_output_bytes")
+    host_alias_size_in_bytes = _xla_name("host_alias_bytes")
+    host_generated_code_size_in_bytes = _xla_name("host_generated_code_bytes")
 
     def __str__(self) -> str:
         rows = [
-            ("temp", self.temp_size_in_bytes),
-            ("argument", self.argument_size_in_bytes),
-            ("output", self.output_size_in_bytes),
-            ("alias", self.alias_size_in_bytes),
+            ("temp", self.temp_bytes),
+            ("argument", self.argument_bytes),
+            ("output", self.output_bytes),
+            ("alias", self.alias_bytes),
             ("peak", self.peak_bytes),
         ]
-        if self.host_peak_bytes or self.host_temp_size_in_bytes:
+        if self.host_peak_bytes or self.host_temp_bytes:
             rows.append(("host peak", self.host_peak_bytes))
         return "\n".join(f"{k:>9}: {format_bytes(v)}" for k, v in rows)
 
@@ -364,8 +378,8 @@ def compiled_memory(
 
     >>> import jax, jax.numpy as jnp, remat_nn as rn
     >>> m = rn.compiled_memory(lambda x: x @ x, jnp.ones((64, 64)))
-    >>> m.argument_size_in_bytes, m.output_size_in_bytes
-    (16384, 16384)
+    >>> m.argument_bytes, m.output_bytes, m.temp_bytes == m.temp_size_in_bytes
+    (16384, 16384, True)
     """
     compiled = jax.jit(fn, **dict(jit_kwargs or {})).lower(*args, **kwargs).compile()
     m = compiled.memory_analysis()
@@ -390,16 +404,16 @@ def _shapes(tree: Any) -> Any:
 def _from_stats(m: Any, flops: float) -> CompiledMemory:
     # XLA's CompiledMemoryStats, field by field (device, then host).
     return CompiledMemory(
-        temp_size_in_bytes=int(m.temp_size_in_bytes),
-        argument_size_in_bytes=int(m.argument_size_in_bytes),
-        output_size_in_bytes=int(m.output_size_in_bytes),
-        alias_size_in_bytes=int(m.alias_size_in_bytes),
-        generated_code_size_in_bytes=int(m.generated_code_size_in_bytes),
-        host_temp_size_in_bytes=int(getattr(m, "host_temp_size_in_bytes", 0)),
-        host_argument_size_in_bytes=int(getattr(m, "host_argument_size_in_bytes", 0)),
-        host_output_size_in_bytes=int(getattr(m, "host_output_size_in_bytes", 0)),
-        host_alias_size_in_bytes=int(getattr(m, "host_alias_size_in_bytes", 0)),
-        host_generated_code_size_in_bytes=int(getattr(m, "host_generated_code_size_in_bytes", 0)),
+        temp_bytes=int(m.temp_size_in_bytes),
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        generated_code_bytes=int(m.generated_code_size_in_bytes),
+        host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0)),
+        host_argument_bytes=int(getattr(m, "host_argument_size_in_bytes", 0)),
+        host_output_bytes=int(getattr(m, "host_output_size_in_bytes", 0)),
+        host_alias_bytes=int(getattr(m, "host_alias_size_in_bytes", 0)),
+        host_generated_code_bytes=int(getattr(m, "host_generated_code_size_in_bytes", 0)),
         flops=flops,
         extra={"peak_memory_in_bytes": int(getattr(m, "peak_memory_in_bytes", 0))},
     )

@@ -12,6 +12,7 @@ maxtext#4990).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,14 +266,34 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
     return Plan(**mapping)
 
 
+# Policies rn.policy built from a name factory (save_only_these_names, ...) -> the plan of their
+# names, which remat wrappers check at first trace as for a plan. Keyed by identity (JAX's
+# name-list classes compare by value, and a policy JAX's own factory made is not ours to check),
+# each entry dropped when its policy is collected.
+_NAMED: dict[int, tuple[weakref.ref[Any], Plan]] = {}
+
+
+def remember_names(policy: Any, names: Plan) -> None:
+    """Records that ``policy`` (built by :func:`remat_nn.policy`) refers to ``names``' names."""
+    key = id(policy)
+    _NAMED[key] = (weakref.ref(policy, lambda _: _NAMED.pop(key, None)), names)
+
+
+def checked_names(policy: Any) -> Plan | None:
+    """The plan :func:`remember_names` recorded for ``policy``, or None."""
+    entry = _NAMED.get(id(policy))
+    return entry[1] if entry is not None and entry[0]() is policy else None
+
+
 def as_plan(spec: Any) -> Plan | None:
-    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string), or
-    None for a policy name, a callable or None."""
+    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string, or a
+    policy :func:`remat_nn.policy` built from a name factory: the plan of those names), or None
+    for a policy name, another callable or None."""
     if isinstance(spec, Plan):
         return spec
     if isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec):
         return plan(spec)
-    return None
+    return checked_names(spec)
 
 
 # --- finding names in traced code -------------------------------------------------------------

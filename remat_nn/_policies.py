@@ -23,7 +23,7 @@ from remat_nn._jax_internals import (
 )
 from remat_nn.errors import PolicyError
 
-__all__ = ["ALIASES", "POLICIES", "Policy", "policy"]
+__all__ = ["ALIASES", "NO_REMAT", "POLICIES", "Policy", "policy"]
 
 Policy = Callable[..., Any]
 
@@ -104,11 +104,42 @@ POLICIES: Mapping[str, _Entry] = MappingProxyType(
 ALIASES: Mapping[str, str] = MappingProxyType(
     {
         "full": "nothing_saveable",
-        "none": "everything_saveable",
         "dots": "dots_saveable",
         "dots_no_batch": "dots_with_no_batch_dims_saveable",
     }
 )
+
+
+#: The one spelling of "no remat" across remat_nn, the models, the planner and the trainer: no
+#: wrapper at all. ``rn.checkpoint``, ``nn.remat`` and ``rnnx.remat`` given it return their target
+#: unchanged; it is no policy (a wrapper that saves every value is ``everything_saveable``).
+NO_REMAT = "none"
+
+_NOT_A_POLICY = (
+    "rn.policy('none'): 'none' means no remat wrapper at all, so it is no policy. Fix: to run "
+    "without remat, pass policy='none' to rn.checkpoint / nn.remat / rnnx.remat (they then "
+    "return the function or class unwrapped) or do not wrap; to wrap and save every value, "
+    "rn.policy('everything_saveable'); to recompute everything, rn.policy('full')."
+)
+
+
+# The factories whose names are checked as a plan's are (remat_nn._plan.remember_names).
+_NAME_FACTORIES = frozenset(
+    {"save_only_these_names", "save_any_names_but_these", "save_and_offload_only_these_names"}
+)
+
+
+def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    from remat_nn._plan import plan
+
+    if key == "save_only_these_names":
+        return plan(save=list(args))
+    if key == "save_any_names_but_these":
+        return plan(recompute=list(args), default="save")
+    return plan(
+        save=list(kwargs.get("names_which_can_be_saved", ())),
+        offload=list(kwargs.get("names_which_can_be_offloaded", ())),
+    )
 
 
 def _unknown(spec: str) -> PolicyError:
@@ -128,10 +159,12 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
       spec: one of
         - a name in ``jax.checkpoint_policies`` (e.g. ``"dots_with_no_batch_dims_saveable"``);
           factories (``"save_only_these_names"``, ...) take their arguments as ``*args`` /
-          ``**kwargs``; the offload ones default to ``offload_src="device"``,
+          ``**kwargs`` (the names of the name factories are checked as a plan's are, when
+          ``rn.checkpoint``, ``nn.remat`` or ``rnnx.remat`` first trace the body); the offload
+          ones default to ``offload_src="device"``,
           ``offload_dst="pinned_host"``;
-        - an alias: ``full`` (recompute everything), ``none`` (save everything), ``dots``,
-          ``dots_no_batch``;
+        - an alias: ``full`` (recompute everything), ``dots``, ``dots_no_batch``
+          (``"none"`` is no policy: it means no remat wrapper, see :data:`NO_REMAT`);
         - a :class:`remat_nn.Plan`, a plan mapping or a plan string (see :func:`remat_nn.plan`);
         - a callable, returned unchanged; ``None``, returned unchanged (JAX's default).
       *args: arguments of a factory policy.
@@ -141,20 +174,26 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
       A callable usable as ``jax.checkpoint(..., policy=...)``, or ``None``.
 
     Raises:
-      PolicyError: an unknown name (with the closest valid one), or arguments given to a
-        policy that takes none.
+      PolicyError: an unknown name (with the closest valid one), ``"none"`` (no remat: no
+        policy), or arguments given to a policy that takes none.
       TypeError: a factory name without its arguments, or a value of another type.
 
     >>> import remat_nn as rn
     >>> rn.policy("dots") is rn.policy("dots_saveable")
     True
-    >>> p = rn.policy("save_only_these_names", "mlp_hidden")
+    >>> p = rn.policy("save_only_these_names", "mlp_hidden")  # names checked when traced
+    >>> import jax, jax.numpy as jnp
+    >>> f = rn.checkpoint(lambda x: jnp.sin(rn.name(x, "mlp_hiden")).sum(), policy=p)
+    >>> jax.grad(f)(1.0)
+    Traceback (most recent call last):
+    ...
+    remat_nn.errors.PlanError: plan names ['mlp_hidden'] never occur in <lambda>, ...
     >>> rn.policy("dots_savable")
     Traceback (most recent call last):
     ...
     remat_nn.errors.PolicyError: rn.policy: unknown policy name 'dots_savable'. Did you mean ...
     """
-    from remat_nn._plan import Plan, plan  # a plan compiles to a policy; plans import policies
+    from remat_nn._plan import Plan, plan, remember_names  # a plan compiles to a policy
 
     if spec is None or (callable(spec) and not isinstance(spec, str | Plan)):
         if args or kwargs:
@@ -177,6 +216,8 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
             f"rn.policy: argument `spec` must be a policy name, a plan or a callable, got "
             f"{type(spec).__name__} {spec!r}.{hint} Fix: rn.policy('dots_saveable')."
         )
+    if spec == NO_REMAT:
+        raise PolicyError(_NOT_A_POLICY)
     key = ALIASES.get(spec, spec)
     if key not in POLICIES:
         raise _unknown(spec)
@@ -194,7 +235,10 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
             f"{entry.doc.split(':')[0]}. Fix: rn.policy({spec!r}, 'mlp_hidden', ...), "
             "or use rn.plan for names."
         )
-    return entry.obj(*args, **kwargs)
+    made = entry.obj(*args, **kwargs)
+    if key in _NAME_FACTORIES:
+        remember_names(made, _names_plan(key, args, kwargs))
+    return made
 
 
 _REMAT3 = """\

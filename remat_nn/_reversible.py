@@ -84,17 +84,36 @@ class ReversibleBlock(NamedTuple):
 # --- couplings ------------------------------------------------------------------------------------
 
 
+def _check_branch(x: jax.Array, h: jax.Array, want: tuple[int, ...], law: str) -> None:
+    # A branch that changes the shape would broadcast into a block that is no longer invertible
+    # (or fail deep in XLA); say which shapes and how to fix it.
+    if tuple(h.shape) != want:
+        raise ValueError(
+            f"{law} coupling: a residual branch returned shape {tuple(h.shape)} for a half of "
+            f"shape {tuple(x.shape)}; it must return {want} (F(x2) the shape of x1, G(y1) the "
+            f"shape of x2, so that the block is invertible). Fix: make the branch's output "
+            f"width {want[-1] if want else 'match'}, e.g. nn.Dense({want[-1] if want else 'C'})"
+            " as its last layer, and keep its other axes (no pooling or striding)."
+        )
+
+
 def additive_combine(x: jax.Array, h: jax.Array) -> jax.Array:
-    """``x + h``: the additive coupling law of RevNet (Gomez et al. 2017)."""
+    """``x + h``: the additive coupling law of RevNet (Gomez et al. 2017); ``h`` has ``x``'s
+    shape (a ValueError says so otherwise)."""
+    _check_branch(x, h, tuple(x.shape), "additive")
     return x + h.astype(x.dtype)
 
 
 def additive_uncombine(y: jax.Array, h: jax.Array) -> jax.Array:
     """``y - h``: inverse of :func:`additive_combine` in its first argument."""
+    _check_branch(y, h, tuple(y.shape), "additive")
     return y - h.astype(y.dtype)
 
 
-def _scale_shift(h: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+def _scale_shift(h: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    dtype = x.dtype
+    if h.ndim and h.shape[-1] % 2 == 0:
+        _check_branch(x, h, (*x.shape[:-1], 2 * x.shape[-1]), "affine")
     if h.shape[-1] % 2:
         raise ValueError(
             f"affine coupling: the residual function must return 2 * C features on the last axis "
@@ -112,13 +131,13 @@ def affine_combine(x: jax.Array, h: jax.Array) -> jax.Array:
 
     The scale ``exp(tanh(s))`` is positive and bounded in ``[1/e, e]``.
     """
-    log_scale, t = _scale_shift(h, x.dtype)
+    log_scale, t = _scale_shift(h, x)
     return x * jnp.exp(log_scale) + t
 
 
 def affine_uncombine(y: jax.Array, h: jax.Array) -> jax.Array:
     """``(y - t) * exp(-tanh(s))``: inverse of :func:`affine_combine` in its first argument."""
-    log_scale, t = _scale_shift(h, y.dtype)
+    log_scale, t = _scale_shift(h, y)
     return (y - t) * jnp.exp(-log_scale)
 
 

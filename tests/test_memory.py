@@ -115,6 +115,7 @@ def test_compiled_memory_reports_host_fields_apart_from_device(stack):
 
 def test_host_fields_are_read_field_by_field():
     # What an accelerator backend reports (CPU's are all 0): every field lands in its own place.
+    import dataclasses
     from types import SimpleNamespace
 
     from remat_nn._memory import _from_stats
@@ -124,6 +125,10 @@ def test_host_fields_are_read_field_by_field():
     values |= {f"host_{k}_size_in_bytes": 100 * (i + 1) for i, k in enumerate(kinds)}
     m = _from_stats(SimpleNamespace(**values), flops=1.0)
     assert {k: getattr(m, k) for k in values} == values
+    # The README's names (the fields) and XLA's (read-only aliases) read the same values.
+    short = {k.replace("_size_in_bytes", "_bytes"): v for k, v in values.items()}
+    assert {k: getattr(m, k) for k in short} == short
+    assert dataclasses.asdict(m).keys() >= short.keys()
     assert m.peak_bytes == 10 + 11 + 12 - 13
     assert m.host_peak_bytes == 100 + 200 + 300 - 400
     assert "host peak" in str(m)

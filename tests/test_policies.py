@@ -99,11 +99,69 @@ def test_offload_factories_keep_gradients_and_offload(args):
     assert rel_err(jax.jit(jax.grad(fn))(*args), jax.grad(net)(*args)) < 1e-6
 
 
-def test_everything_saveable_and_none_alias_match_no_remat(args):
+def test_everything_saveable_matches_no_remat(args):
     plain = residual_kinds(net, *args)
     assert plain  # no remat saves intermediates
     assert residual_kinds(rn.checkpoint(net, policy="everything_saveable"), *args) == plain
-    assert residual_kinds(rn.checkpoint(net, policy="none"), *args) == plain
+
+
+def test_none_is_no_wrapper_everywhere_and_no_policy():
+    # One meaning of "none": no remat wrapper. The wrappers return their target unchanged; as a
+    # policy it would be ambiguous (JAX's policy=None recomputes everything), so it is refused.
+    import flax.linen as fnn
+    from flax import nnx
+
+    from remat_nn import nn as rnn
+    from remat_nn import nnx as rnnx
+
+    assert rn.checkpoint(net, policy="none") is net
+    assert rnn.remat(fnn.Dense, policy="none") is fnn.Dense
+    assert rnnx.remat(net, policy="none") is net
+    assert rnnx.remat(nnx.Linear, policy="none") is nnx.Linear
+    with pytest.raises(rn.PolicyError, match="everything_saveable"):
+        rn.policy("none")
+    assert "none" not in rn.ALIASES
+
+
+# factory -> (arguments with a typo, the same arguments spelled right)
+NAME_FACTORIES = {
+    "save_only_these_names": ((("act", "actt"), {}), (("act",), {})),
+    "save_any_names_but_these": ((("actt",), {}), (("act",), {})),
+    "save_and_offload_only_these_names": (
+        ((), {"names_which_can_be_saved": ["act"], "names_which_can_be_offloaded": ["outt"]}),
+        ((), {"names_which_can_be_saved": ["act"], "names_which_can_be_offloaded": ["out"]}),
+    ),
+}
+
+
+@pytest.mark.parametrize("factory", list(NAME_FACTORIES))
+def test_name_factory_typos_are_plan_errors_at_first_trace(factory, args):
+    import flax.linen as fnn
+
+    from remat_nn import nn as rnn
+    from remat_nn import nnx as rnnx
+
+    (pos, kw), (fixed_pos, fixed_kw) = NAME_FACTORIES[factory]
+    policy = rn.policy(factory, *pos, **kw)
+    with pytest.raises(rn.PlanError, match=r"never occur in net.*Did you mean"):
+        jax.grad(rn.checkpoint(net, policy=policy))(*args)
+    with pytest.raises(rn.PlanError, match="never occur in net"):
+        jax.grad(rnnx.remat(net, policy=policy))(*args)
+
+    class Layer(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            return net(x, *args[1:])
+
+    with pytest.raises(rn.PlanError, match=r"never occur in Layer.__call__"):
+        rnn.remat(Layer, policy=policy)().init(jax.random.key(0), args[0])
+    # Names that occur pass: the same factory, spelled right.
+    fixed = rn.policy(factory, *fixed_pos, **fixed_kw)
+    # A policy JAX's own factory made is JAX's: rn.checkpoint runs it as jax.checkpoint does.
+    jax.grad(rn.checkpoint(net, policy=jax.checkpoint_policies.save_only_these_names("actt")))(
+        *args
+    )
+    jax.grad(rn.checkpoint(net, policy=fixed))(*args)
 
 
 def test_save_anything_except_warns_that_jax_saves_everything(args):

@@ -65,7 +65,11 @@ def test_parameter_tree_does_not_depend_on_the_policy():
     assert trees[0] == plain
 
 
-def test_submodule_names_match_flax_inside_a_parent():
+@pytest.mark.parametrize("policy", ["full", "dots", "save=act_0", "none"])
+def test_remat_never_changes_the_parameter_tree_inside_a_parent(policy):
+    # flax's remat names the class "Checkpoint" + name, so a parent's auto-named child moves from
+    # MLP_0 to CheckpointMLP_0 when remat is switched on; nn.remat keeps the target's name, so
+    # variables (and checkpoints) move between remat and no remat.
     def make(remat):
         class Parent(fnn.Module):
             @fnn.compact
@@ -74,11 +78,15 @@ def test_submodule_names_match_flax_inside_a_parent():
 
         return Parent()
 
-    ours = make(nn.remat).init(jax.random.key(1), X)
+    ours = make(lambda cls: nn.remat(cls, policy=policy)).init(jax.random.key(1), X)
+    plain = make(lambda cls: cls).init(jax.random.key(1), X)
     theirs = make(fnn.remat).init(jax.random.key(1), X)
-    expected = ["CheckpointMLP_0", "CheckpointMLP_1"]
-    assert sorted(ours["params"]) == sorted(theirs["params"]) == expected
-    _trees_equal(ours, theirs)
+    assert sorted(ours["params"]) == sorted(plain["params"]) == ["MLP_0", "MLP_1"]
+    assert sorted(theirs["params"]) == ["CheckpointMLP_0", "CheckpointMLP_1"]
+    _trees_equal(ours, plain)
+    y_plain = make(lambda cls: cls).apply(plain, X)
+    y_ours = make(lambda cls: nn.remat(cls, policy=policy)).apply(plain, X)
+    np.testing.assert_array_equal(y_ours, y_plain)
 
 
 @pytest.mark.parametrize("remat", [nn.remat, fnn.remat], ids=["remat_nn", "flax"])

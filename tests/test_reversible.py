@@ -560,3 +560,21 @@ def test_errors_name_the_argument_and_the_fix():
     for bad in (0, -2, 1.5, "all"):
         with pytest.raises(ValueError, match=rf"`unroll` must be a positive int.*got {bad!r}"):
             stack(8, unroll=bad).apply({"params": params}, x)
+
+
+@pytest.mark.parametrize(
+    "coupling, f_width, want",
+    [
+        (nn.AdditiveCoupling, 3, r"additive coupling: .* returned shape \(2, 3\) .* \(2, 2\)"),
+        (nn.AffineCoupling, 6, r"affine coupling: .* returned shape \(2, 6\) .* \(2, 4\)"),
+    ],
+)
+def test_a_branch_that_changes_the_shape_is_named_with_the_fix(coupling, f_width, want):
+    # F must map x2 to x1's shape (affine: twice its width, log-scale and shift); otherwise the
+    # sum broadcasts into a block that is not invertible, or fails inside XLA.
+    layer = coupling(fnn.Dense(f_width), fnn.Dense(f_width))
+    with pytest.raises(ValueError, match=want + r".*Fix: make the branch's output width"):
+        layer.init(jax.random.key(0), jnp.ones((2, 4)))
+    stack = nn.ReversibleSequence(coupling(fnn.Dense(f_width), fnn.Dense(f_width)), depth=2)
+    with pytest.raises(ValueError, match=want):
+        stack.init(jax.random.key(0), jnp.ones((2, 4)))

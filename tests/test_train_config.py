@@ -40,6 +40,18 @@ def test_yaml_12_floats_are_floats():
     assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}  # what plain PyYAML does
 
 
+def test_yaml_11_booleans_are_strings_where_the_schema_wants_one(tmp_path):
+    # `python -m train --help` lists train.progress as auto|on|off; YAML 1.1 reads on/off as
+    # booleans. Where the setting is a string that is the only meaning; where it is a bool the
+    # spelling stays an error (yes: true or the string 'yes'?).
+    assert load_config(None, ["train.progress=on"]).train.progress == "on"
+    path = tmp_path / "mine.yaml"
+    path.write_text("train: {progress: off}\n")
+    assert load_config(path).train.progress == "off"
+    assert "YAML 1.1" in errors_of(None, ["train.plot=yes"])["train.plot"]
+    assert "YAML 1.1" in errors_of(None, ["model.options.width=on"])["model.options.width"]
+
+
 def test_config_file_values_and_overrides(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("optim: {lr: 1e-3, name: adamw}\ntrain: {steps: 10}\n")
@@ -436,8 +448,9 @@ def test_model_module_is_exclusive_with_model_name_and_names_the_fix(tmp_path, m
     assert path == "model.options.depth" and "unknown key" in msg
     path, msg = error(f"model.module={mod}:not_a_module", "remat={save: [x]}")
     assert path == "remat" and "takes no remat plan option" in msg
-    path, msg = error(f"model.module={mod}:build", "remat=full")
-    assert path == "remat" and "no remat presets" in msg
+    assert load_config(None, [f"model.module={mod}:build", "remat=full"]).remat == "full"
+    path, msg = error(f"model.module={mod}:build", "remat=ful")
+    assert path == "remat" and "not a remat_nn policy name. Did you mean 'full'?" in msg
     bad = load_config(None, [f"model.module={mod}:not_a_module"]).model.spec()
     with pytest.raises(models.ModuleError, match="returned a str, not a flax.linen.Module"):
         models.build(bad, num_classes=3)

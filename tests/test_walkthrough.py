@@ -1,6 +1,6 @@
-"""The README's "Train on your data" / "Train your model" walk-through, executed.
+"""The trainer's "Train on your data" / "Train your model" walk-through, executed.
 
-The config, the model file and the commands are read from README.md, so the README cannot
+The config, the model file and the commands are read from docs/trainer.md, so the page cannot
 drift from what works. The test writes a tiny CIFAR-10 directory in the real python-pickle
 format, then runs the README's commands in this process (``run_in_process``) with only these
 changes, for a few-second run: the data path and scale overrides of :data:`TINY` (data.path,
@@ -39,7 +39,7 @@ TINY = [
 
 
 def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "trainer.md").read_text()
     start = text.index(f"\n## {title}\n")
     end = text.index("\n## ", start + 1)
     return text[start:end]

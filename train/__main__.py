@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    import remat_nn as rn
     from train.integrity import CheckpointUnavailableError
     from train.loop import (
         CheckpointError,
@@ -171,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(codes) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return next(code for kind, code in codes.items() if isinstance(e, kind))
+    except rn.PlanError as e:
+        # A plan name the traced model never produces (a model.module's names are known only
+        # when traced): the config's plan, or one the module itself names.
+        where = "remat" if cfg.remat is not None else f"model.module={cfg.model.module!r}"
+        print(f"error: invalid config\n  {where}: {e}", file=sys.stderr)
+        return 2
     if result.interrupted and result.step < cfg.train.steps:  # a signal at the last step: done
         import signal
 

@@ -3,6 +3,14 @@
 >>> from remat_nn import nn
 """
 
+try:
+    import flax  # noqa: F401  (the one optional dependency of this package: say how to get it)
+except ImportError as e:
+    raise ImportError(
+        "remat_nn.nn builds on flax.linen, and flax is not installed. Fix: pip install "
+        "'remat_nn[flax]' (the core, `import remat_nn`, needs only jax, numpy and pyyaml)"
+    ) from e
+
 # --- remat transform (nn.checkpoint is nn.remat, as in flax.linen) --------------------------------
 from remat_nn.nn._remat import checkpoint, remat
 from remat_nn.nn._remat_scan import remat_scan

@@ -40,7 +40,7 @@ class RematBlock(fnn.Module):
         are its attributes (the block passes ``x`` only).
       policy: what the backward pass keeps: a policy name or alias, a plan, a plan mapping or a
         callable (see :func:`remat_nn.policy`); the default ``"full"`` recomputes the whole
-        body and keeps only ``x``; ``"none"`` saves everything (remat in name only).
+        body and keeps only ``x``; ``"none"``: no remat (the body is not wrapped).
       pre_norm: apply a LayerNorm (parameters ``norm``) to ``x`` before the body.
       carry: return ``(x + body(x), None)`` and accept an ignored second argument, the calling
         convention of ``flax.linen.scan`` over layers.

@@ -19,7 +19,7 @@ from flax.linen.transforms import checkpoint as flax_remat  # the original, even
 from remat_nn._checkpoint import check_bool, check_policy, check_static_argnums
 from remat_nn._checkpoint import checkpoint as rn_checkpoint
 from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import for_remat3
+from remat_nn._policies import NO_REMAT, for_remat3
 from remat_nn._policies import policy as resolve_policy
 
 __all__ = ["checkpoint", "remat"]
@@ -51,10 +51,13 @@ def remat(
 ) -> Target:
     """Rematerializes a flax Module, a Module method, or a plain function.
 
-    A strict superset of ``flax.linen.remat``: the same arguments with the same meaning, and
+    A superset of ``flax.linen.remat``: the same arguments with the same meaning, and
     ``policy`` also accepts a policy name or alias (``"dots"``, ``"full"``, ...), a
-    :class:`remat_nn.Plan`, a plan mapping or a plan string. A plan is checked against the body
-    when it is first traced: a plan name that never occurs there raises
+    :class:`remat_nn.Plan`, a plan mapping or a plan string; ``policy="none"`` returns
+    ``target`` unchanged (no remat). One difference: a wrapped Module class keeps its own name
+    (flax's is ``"Checkpoint" + name``), so its auto-named parameters (``MLP_0``) are the same
+    with remat or without, and a checkpoint moves between the two. A plan is checked against the
+    body when it is first traced: a plan name that never occurs there raises
     :class:`remat_nn.PlanError` naming the names that do. Dropout inside the body recomputes its
     mask from the same key; random bits are never saved unless the policy saves everything.
 
@@ -68,7 +71,8 @@ def remat(
       static_argnums: arguments to specialize on (as in flax: for a Module, counted with
         ``self`` as 0, so ``__call__(self, x, train)`` makes ``train`` static with ``(2,)``).
         Checked against the signature here: a non-int or out-of-range index raises at once.
-      policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`.
+      policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`;
+        ``"none"``: no remat, ``target`` returned unchanged.
       methods: Module methods to lift (flax; default ``__call__``).
 
     Returns:
@@ -88,6 +92,8 @@ def remat(
     check_policy(policy, "nn.remat")
     check_bool(prevent_cse, "prevent_cse", "nn.remat")
     check_bool(concrete, "concrete", "nn.remat")
+    if policy == NO_REMAT:
+        return target
     resolved = for_remat3(policy, resolve_policy(policy), "nn.remat")
     # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
     to_flax = functools.partial(
@@ -112,9 +118,14 @@ def remat(
         module_cls: type[fnn.Module] = target
         if the_plan is not None and the_plan.names:
             module_cls = _checked_module_class(target, the_plan, methods)
+        lifted_cls = to_flax(module_cls)
+        # flax names its subclass "Checkpoint" + name, and a module's auto-name (its parameters'
+        # key in the parent) comes from its class name: keep the target's, so that wrapping a
+        # class or not never changes the parameter tree.
+        lifted_cls.__name__, lifted_cls.__qualname__ = target.__name__, target.__qualname__
         # flax returns a subclass of the class it is given, built at run time: the type system
         # cannot say it is a Target (flax's own signature claims as much).
-        return to_flax(module_cls)  # pyright: ignore[reportReturnType]
+        return lifted_cls  # pyright: ignore[reportReturnType]
     if not callable(target) or isinstance(target, fnn.Module):
         # flax's own error (a Module instance is the usual mistake: pass the class instead).
         raise flax_errors.TransformTargetError(target)

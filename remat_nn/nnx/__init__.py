@@ -5,6 +5,14 @@
 >>> from remat_nn import nnx as rnnx
 """
 
+try:
+    import flax  # noqa: F401  (the one optional dependency of this package: say how to get it)
+except ImportError as e:
+    raise ImportError(
+        "remat_nn.nnx builds on flax.nnx, and flax is not installed. Fix: pip install "
+        "'remat_nn[flax]' (the core, `import remat_nn`, needs only jax, numpy and pyyaml)"
+    ) from e
+
 # --- remat transform: flax.nnx.remat plus names, policies and validated plans ---------------------
 from remat_nn.nnx._remat import checkpoint, remat
 

@@ -17,7 +17,7 @@ from flax.nnx.transforms.autodiff import remat as flax_remat  # the original, ev
 
 from remat_nn._checkpoint import check_bool, check_policy, check_static_argnums
 from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import for_remat3
+from remat_nn._policies import NO_REMAT, for_remat3
 from remat_nn._policies import policy as resolve_policy
 
 __all__ = ["checkpoint", "remat"]
@@ -68,7 +68,8 @@ def remat(
         a class body), or an ``nnx.Module`` class. Omitted: returns a decorator.
       prevent_cse: prevent common-subexpression elimination of the recomputation.
       static_argnums: positional arguments to specialize on (as ``jax.checkpoint``).
-      policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`.
+      policy: what to save; see :func:`remat_nn.policy` and :func:`remat_nn.plan`;
+        ``"none"``: no remat, ``f`` returned unchanged.
       graph: flax's graph mode (``None``: flax's current default).
       graph_updates: flax's propagation of graph-structure updates (``None``: flax's default).
       methods: for a Module class only, the methods to rematerialize (default ``__call__``).
@@ -110,6 +111,8 @@ def remat(
             graph_updates=graph_updates,
             methods=methods,
         )
+    if policy == NO_REMAT:
+        return f
     resolved = for_remat3(policy, resolve_policy(policy), "nnx.remat")
     the_plan = as_plan(policy)
     to_flax = functools.partial(

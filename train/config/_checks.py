@@ -32,7 +32,13 @@ def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tupl
     if remat is None:
         return None, errors
     if "remat" not in fields:
-        errors.append(("remat", f"model {model.label!r} takes no remat plan option"))
+        fix = (
+            ". Fix: give build a `remat` parameter and pass it to remat_nn.nn.remat(Block, "
+            "policy=remat) (README: Train your model), or leave remat unset"
+            if model.module
+            else ""
+        )
+        errors.append(("remat", f"model {model.label!r} takes no remat plan option{fix}"))
     elif "remat" in model.options:
         errors.append(("remat", "set either remat or model.options.remat, not both"))
     given: Any = None
@@ -64,11 +70,17 @@ def registry_errors(
     fields = spec.options.model_fields
     given, errors = _remat_errors(model, fields, remat)
     if model.module and isinstance(given, str) and given not in spec.remat_presets:
+        import difflib
+
+        close = difflib.get_close_matches(given, list(spec.remat_presets), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
         errors.append(
             (
                 "remat",
-                f"{given!r}: model.module has no remat presets; give a per-name plan {{save: "
-                "[...], default: recompute}, none, or policy: auto",
+                f"{given!r} is not a remat_nn policy name.{hint} A model.module takes none, a "
+                f"policy name or alias ({', '.join(n for n in spec.remat_presets if n != 'none')})"
+                ", a per-name plan {save: [...], offload: [...], default: recompute}, or "
+                "{policy: auto, budget: ...}",
             )
         )
     opts = dict(model.options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     errors: list[tuple[str, str]] = []
     if path is not None:
         p = Path(path)
-        tree, errors = read_yaml(read_text(p, source), source)
+        tree, errors = read_yaml(read_text(p, source), source, wants_string=wants_string)
         if tree is None:
             empty = (
                 "the file holds no settings (it is empty or only comments). Fix: write the "
@@ -50,7 +52,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             )
             raise ConfigError(source, [("", not_sections)])
         tree.setdefault("name", p.stem)
-    errors += apply_overrides(tree, overrides)
+    errors += apply_overrides(tree, overrides, wants_string=wants_string)
     # A value already reported (a duplicate key, `yes`, `010`) is not reported again by the schema.
     reported = {p for p, _ in errors}
     cfg = None
@@ -65,6 +67,37 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     if errors or cfg is None:
         raise ConfigError(source, errors or [("", "invalid config")])
     return cfg
+
+
+def wants_string(path: str) -> bool:
+    """Whether the schema's setting at ``path`` (dotted) takes a string and not a boolean: where
+    ``on`` / ``off`` / ``yes`` / ``no`` can only mean the string (``train.progress: on``).
+
+    >>> wants_string("train.progress"), wants_string("train.plot"), wants_string("model.options.x")
+    (True, False, False)
+    """
+    model: Any = Config
+    annotation: Any = None
+    for part in path.split("."):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return False  # free-form (model.options, a plan) or unknown: no reading is assumed
+        annotation = fields[part].annotation
+        model = annotation
+    leaves = _leaf_types(annotation)
+    return bool(leaves) and bool not in leaves and all(t is str for t in leaves)
+
+
+def _leaf_types(annotation: Any) -> list[Any]:
+    # The types a field's value may have: Literal["a", "b"] -> [str, str], str | None -> [str].
+    if annotation is None or annotation is type(None):
+        return []
+    if typing.get_origin(annotation) is typing.Literal:
+        return [type(v) for v in typing.get_args(annotation)]
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for a in args for t in _leaf_types(a)]
+    return [annotation]
 
 
 def dump_config(cfg: Config) -> str:

@@ -2,12 +2,15 @@
 
 On top of ``yaml.safe_load``: YAML 1.2 floats (``1e-3``), and as errors with their dotted path
 (all collected, not the first only): duplicate keys, non-string keys, YAML 1.1 booleans
-(``yes``/``no``/``on``/``off``), octal-looking and base-60 numbers, recursive or exploding aliases,
-tabs, several documents and bytes that are not UTF-8.
+(``yes``/``no``/``on``/``off``) where the value is not meant as a string, octal-looking and
+base-60 numbers, recursive or exploding aliases, tabs, several documents and bytes that are not
+UTF-8. A YAML 1.1 boolean at a path where the schema wants a string (``wants_string``, e.g.
+``train.progress: on``) is that string, as in YAML 1.2.
 
->>> tree, errors = read_yaml("optim: {lr: 1e-3}\\ntrain: {plot: yes}\\n", "<text>")
+>>> tree, errors = read_yaml("optim: {lr: 1e-3}\\ntrain: {plot: yes, progress: on}\\n", "<text>",
+...                          wants_string=lambda path: path == "train.progress")
 >>> tree
-{'optim': {'lr': 0.001}, 'train': {'plot': True}}
+{'optim': {'lr': 0.001}, 'train': {'plot': True, 'progress': 'on'}}
 >>> errors  # doctest: +ELLIPSIS
 [('train.plot', "'yes' is the boolean true in YAML 1.1 but the string 'yes' in YAML 1.2; ...")]
 """
@@ -15,7 +18,7 @@ tabs, several documents and bytes that are not UTF-8.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +75,15 @@ class _Builder:
     recursive or exploding aliases are errors with the dotted path of the value.
     """
 
-    def __init__(self, loader: YamlLoader, prefix: str = ""):
+    def __init__(
+        self,
+        loader: YamlLoader,
+        prefix: str = "",
+        wants_string: Callable[[str], bool] | None = None,
+    ):
         self.loader = loader
         self.prefix = prefix
+        self.wants_string = wants_string or (lambda path: False)
         self.errors: list[tuple[str, str]] = []
         self.nodes = 0
         self.flattened: set[int] = set()
@@ -100,6 +109,8 @@ class _Builder:
         value = self.loader.construct_object(node, deep=True)
         text = node.value
         if node.tag == _BOOL_TAG and text.lower() not in ("true", "false"):
+            if self.wants_string(path):
+                return text  # YAML 1.2's reading, and the only one a string setting can mean
             self.error(
                 path,
                 f"{text!r} is the boolean {str(value).lower()} in YAML 1.1 but the string "
@@ -163,8 +174,17 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def read_yaml(text: str, source: str, prefix: str = "") -> tuple[Any, list[tuple[str, str]]]:
+def read_yaml(
+    text: str,
+    source: str,
+    prefix: str = "",
+    *,
+    wants_string: Callable[[str], bool] | None = None,
+) -> tuple[Any, list[tuple[str, str]]]:
     """Parses ``text``; returns the value and the errors found (dotted paths under ``prefix``).
+
+    ``wants_string(dotted_path)`` says where a YAML 1.1 boolean (``on``, ``yes``, ...) is read as
+    the string it spells instead of being an error.
 
     Raises:
       ConfigError: the text is not YAML at all (syntax, several documents, too deep or large).
@@ -174,7 +194,7 @@ def read_yaml(text: str, source: str, prefix: str = "") -> tuple[Any, list[tuple
         node = loader.get_single_node()
         if node is None:
             return None, []
-        builder = _Builder(loader, prefix)
+        builder = _Builder(loader, prefix, wants_string)
         value = builder.build(node, prefix)
         return value, builder.errors
     except yaml.YAMLError as e:
@@ -189,19 +209,26 @@ def read_yaml(text: str, source: str, prefix: str = "") -> tuple[Any, list[tuple
         loader.dispose()
 
 
-def _parse_value(text: str, key: str) -> tuple[Any, list[tuple[str, str]]]:
+def _parse_value(
+    text: str, key: str, wants_string: Callable[[str], bool] | None
+) -> tuple[Any, list[tuple[str, str]]]:
     # An override's value is YAML, checked like a file's; what is not YAML stays a string.
     try:
-        return read_yaml(text, "<override>", key)
+        return read_yaml(text, "<override>", key, wants_string=wants_string)
     except ConfigError:
         return text, []
 
 
-def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> list[tuple[str, str]]:
+def apply_overrides(
+    tree: dict[str, Any],
+    overrides: Iterable[str],
+    *,
+    wants_string: Callable[[str], bool] | None = None,
+) -> list[tuple[str, str]]:
     """Sets ``key.sub=value`` overrides in ``tree`` in place; returns errors for malformed ones.
 
     Values are YAML (``3``, ``1e-3``, ``true``, ``[a, b]``, ``{save: [x]}``); ``key.sub=null``
-    sets None.
+    sets None; ``wants_string`` as :func:`read_yaml`'s.
     """
     errors: list[tuple[str, str]] = []
     for item in overrides:
@@ -222,7 +249,7 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> list[tupl
                 break
             node = child
         else:
-            node[leaf], value_errors = _parse_value(value, key)
+            node[leaf], value_errors = _parse_value(value, key, wants_string)
             errors += value_errors
     return errors
 
