@@ -433,7 +433,10 @@ def test_underflowed_exp_raises_instead_of_nan(op, x0):
     x = jnp.full((4,), x0) + jnp.arange(4.0)
     w = jnp.ones(4)
     grad = jax.grad(lambda x, w: jnp.sum(rn.invertible(f)(x, w)), argnums=(0, 1))
-    with pytest.raises(Exception, match=rf"`{op.__name__}`.*(underflowed|saturated)"):
+    # the first loss on the walk: the term is ~0 beside tanh(w) (the add refuses), or its
+    # inverse underflowed / saturated
+    pattern = rf"(?s)(`{op.__name__}`.*(underflowed|saturated))|(`add`.*dwarfs)"
+    with pytest.raises(Exception, match=pattern):
         jax.block_until_ready(grad(x, w))
     safe = jax.grad(lambda x, w: jnp.sum(rn.invertible(f, fallback="recompute")(x, w)), (0, 1))
     got, want = safe(x, w), jax.grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1))(x, w)

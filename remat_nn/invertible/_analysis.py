@@ -20,6 +20,7 @@ Intermediates are never stored: every value is reconstructed or recomputed from 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +83,8 @@ class Analysis:
                     self.touching.setdefault(a, []).append(i)
         self.verdicts: dict[tuple[int, tuple[int, ...]], Assessment] = {}
         self.deferred: set[int] = set()
+        self.deferred_heap: list[int] = []  # -index: the latest deferred equation first
+        self.defer_all = False  # defer bounded inversions too (prefer recomputation)
         self.varying = self._varying(diff_in)
         self.needs_vjp = self._needs_vjp()
         self.required = {
@@ -154,8 +157,10 @@ class Analysis:
         verdict = self._verdict(i, rule, unknown)
         if verdict.reason is not None:
             return []
-        if verdict.lossy is not None and not lossy_now:
-            self.deferred.add(i)
+        if (verdict.lossy is not None or (self.defer_all and verdict.bounded)) and not lossy_now:
+            if i not in self.deferred:
+                self.deferred.add(i)
+                heapq.heappush(self.deferred_heap, -i)
             return []
         values = list(holes.values())
         d = Derivation("inverse", i, unknown, verdict)
@@ -184,7 +189,7 @@ class Analysis:
 
     def _close(self, known: dict, start: Sequence[int]) -> None:
         queue, queued = deque(start), set(start)
-        self.deferred = set()
+        self.deferred, self.deferred_heap = set(), []
         while True:
             while queue:
                 i = queue.popleft()
@@ -196,7 +201,8 @@ class Analysis:
                             queue.append(j)
             # Nothing exact is left: take one checked inversion (the latest), then go on.
             new = []
-            for i in sorted(self.deferred, reverse=True):
+            while self.deferred_heap:
+                i = -heapq.heappop(self.deferred_heap)
                 self.deferred.discard(i)
                 new = self._fire(i, known, lossy_now=True)
                 if new:
@@ -250,6 +256,14 @@ class Analysis:
                 break
             kept.append(best[1])
             known = best[2]
+        if len(kept) > len(self.must_keep):
+            # Inputs were kept: derive again from what is given, recomputing forward wherever
+            # possible before any floating inversion (a value both recomputable and rebuildable
+            # is recomputed: exact, no bound to fail). The same set, other derivations.
+            known = {v: d for v, d in known.items() if d.kind == "given"}
+            self.defer_all = True
+            self._close(known, list(reversed(range(len(self.eqns)))))
+            self.defer_all = False
         self.known, self.kept = known, tuple(sorted(kept))
         missing = wanted - known.keys()
         if missing:
