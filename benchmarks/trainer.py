@@ -106,6 +106,7 @@ def run(quick: bool = False) -> Result:
             f"run_dir={tmp}/run",
             f"train.steps={total}",
             "train.eval_every=0",
+            "checkpoint.keep_best=0",  # the config keeps the best by eval; no evals here
             "train.eval_batches=1",
             "train.plot=false",
             "train.progress='off'",

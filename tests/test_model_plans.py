@@ -252,10 +252,17 @@ def test_plans_that_would_do_nothing_are_refused_naming_the_model(name):
         models.build(name, remat="ful")
     with pytest.raises(ValueError, match=rf"{name}: option remat must be a preset name"):
         models.build(name, remat=3)
-    # Inside the model too: a unit's body is checked when traced (nn.remat's plan check).
+    # Inside the model too: a unit's body is checked when its gradient is traced (nn.remat's
+    # plan check; init has no backward pass and builds the units unwrapped).
+    m = R.ResNet(BASIC, remat=rn.plan({"save": ["query_proj"]}))
+    variables = jax.eval_shape(m.init, jax.random.key(0), _images())
+
+    def loss(params):
+        out, _ = m.apply({**variables, "params": params}, _images(), mutable=["batch_stats"])
+        return out.sum()
+
     with pytest.raises(rn.PlanError, match=r"\['query_proj'\] never occur in ResidualUnit"):
-        m = R.ResNet(BASIC, remat=rn.plan({"save": ["query_proj"]}))
-        jax.eval_shape(m.init, jax.random.key(0), _images())
+        jax.eval_shape(jax.grad(loss), variables["params"])
 
 
 def test_the_config_takes_remat_for_cnn_models_and_refuses_plans_naming_nothing():

@@ -492,7 +492,9 @@ def test_dry_run_prints_parameters_and_memory(tmp_path):
     assert "weight decay: 2 of 6 parameter leaves (not decayed: bias x 3, scale x 1)" in text
     (dtypes,) = [line for line in lines if line.startswith("matmul operand dtypes: {")]
     assert "bfloat16" in dtypes and "float32" not in dtypes.replace("bfloat16", ""), dtypes
-    assert result.state is None and not (tmp_path / "dry").exists()
+    # The dry run writes only the memory timeline (no checkpoint, config or metrics).
+    written = {p.name for p in (tmp_path / "dry").iterdir()}
+    assert result.state is None and written == {"memory_timeline.png", "memory_timeline.json"}
     for expected in (
         "parameters:",
         "Dense_0",

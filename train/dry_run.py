@@ -80,7 +80,13 @@ def dry_run_report(exp: Experiment) -> None:
     accum = f", {k} micro-batches of {micro_bs}" if k > 1 else ""
     say(f"XLA compiled memory of the train step (per device, state donated{accum}):")
     # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
-    peak = rn.explain_peak(exp.step_fn, exp.abstract, _abstract(batch), jit_kwargs=exp.jit_kwargs)
+    args = (exp.step_fn, exp.abstract, _abstract(batch))
+    try:
+        peak = rn.explain_peak(*args, jit_kwargs=exp.jit_kwargs)
+    except RuntimeError as e:  # XLA wrote no buffer assignment: the totals without the buffers
+        say(str(rn.compiled_memory(*args, jit_kwargs=exp.jit_kwargs)))
+        say(f"(no buffers at the peak: {e})")
+        return
     say(str(peak.compiled))
     say(f"largest buffers at XLA's peak (rn.explain_peak, {peak.difference:+d} B from the peak):")
     say(peak.top(10))
