@@ -222,7 +222,7 @@ def _update_slice(
         updates, new_state_i = tx.update((grad, ()), state_i, (layer, ()))
         new_flat = _flatten_like(new_state_i, (layer, ()))
         new_slices = [x[0] for x, m in zip(new_flat, is_mirror, strict=True) if m]
-        return optax.apply_updates(layer, updates[0]), new_slices
+        return optax.apply_updates(layer, _first(updates)), new_slices
 
     # The update runs as a branch of a conditional, whose operands are the old slices: XLA does
     # not fuse across it, so no read of an old slice is fused into a consumer scheduled after the
@@ -245,7 +245,7 @@ def _update_rest(
     updates, new_state = tx.update(
         ((), g_rest), _state_for(treedef, flat, is_mirror, stacks=None), ((), rest)
     )
-    rest = optax.apply_updates(rest, updates[1])
+    rest = optax.apply_updates(rest, _second(updates))
     carried = iter(stacks)
     new_flat = _flatten_like(new_state, ((), rest))
     state = treedef.unflatten(
@@ -254,11 +254,19 @@ def _update_rest(
     return rest, state
 
 
-def _read(stack: Any, i: jax.Array) -> Any:
+def _first(pair: Any) -> Any:
+    return pair[0]
+
+
+def _second(pair: Any) -> Any:
+    return pair[1]
+
+
+def _read(stack: Any, i: jax.Array | int) -> Any:
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stack)
 
 
-def _write(stack: Any, layer: Any, i: jax.Array) -> Any:
+def _write(stack: Any, layer: Any, i: jax.Array | int) -> Any:
     return jax.tree.map(lambda s, x: lax.dynamic_update_index_in_dim(s, x, i, 0), stack, layer)
 
 
