@@ -59,7 +59,7 @@ def run(quick: bool = False) -> Result:
         label: rn.explain_peak(train_step, state, model.tokens, jit_kwargs=kw) for label, kw in jits
     }
     # Before the donated run below consumes model.params.
-    fused_lines, fused_targets = _fused_section(model, tx, mems["not donated"], quick)
+    fused_lines = _fused_section(model, tx, mems["not donated"], quick)
     # Run the donated step once: the old state's buffers must be consumed.
     leaves = jax.tree.leaves(state)
     new_state, _ = compiled(state, model.tokens)
@@ -167,7 +167,6 @@ def run(quick: bool = False) -> Result:
             ", ".join(f"{k}: {r.difference:+d} B" for k, r in peaks.items()),
         )
     )
-    targets += fused_targets
     donated_peak = peaks["donate_argnums=0"]
     figures = {
         "donation_memory.png": fig,
@@ -255,7 +254,7 @@ def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation) -> tuple[Any,
 
 def _fused_section(
     model: wl.LM, tx: optax.GradientTransformation, plain: rn.CompiledMemory, quick: bool
-) -> tuple[list[str], list[Target]]:
+) -> list[str]:
     """The donated fused step against the non-donated and donated two-phase steps."""
     step, params = _lm_fused_step(model, tx)
     opt_state = tx.init(params)
@@ -318,18 +317,13 @@ def _fused_section(
         *str(peak).splitlines()[:14],
         "```",
     ]
-    targets = [
-        Target(
-            "fused donated peak lower than the non-donated two-phase step's by >= 90% of "
-            "bytes(params + opt_state)",
-            saving >= 0.9 * state_bytes,
-            f"{format_bytes(saving)} = {saving / state_bytes:.1%}",
-        ),
-        Target(
-            "fused step time <= 1.05x the donated two-phase step's",
-            verdict(ratio, 1.05, timed.noise, at_most=True),
-            f"{ratio:.3f}x",
-            timed.noise_text(),
-        ),
+    # Stated in the text, not as Targets yet: the README's table of targets is pasted from a
+    # full run, and adding targets needs one.
+    lines += [
+        "",
+        f"Claims: peak lower than the non-donated two-phase step's by >= 90% of bytes(params + "
+        f"opt_state): {'yes' if saving >= 0.9 * state_bytes else 'NO'} ({saving / state_bytes:.1%}"
+        f"); step time <= 1.05x the donated two-phase step's: "
+        f"{verdict(ratio, 1.05, timed.noise, at_most=True)} ({ratio:.3f}x, {timed.noise_text()}).",
     ]
-    return lines, targets
+    return lines
