@@ -309,12 +309,13 @@ def _fused_section(
         "",
         f"Peak below the non-donated two-phase step's: {format_bytes(saving)} = "
         f"{saving / state_bytes:.1%} of bytes(params + opt_state). Gradient buffers at the "
-        f"fused step's peak (`rn.explain_peak`): {format_bytes(grad_bytes)} (one block's, not "
-        f"the stack's). Step time fused / donated two-phase: {ratio:.3f} "
+        f"fused step's peak (`rn.explain_peak`): {format_bytes(grad_bytes)}, the cotangents "
+        f"and weight gradients of one block; no stack of weight gradients. Step time fused / "
+        f"donated two-phase: {ratio:.3f} "
         f"({timed.noise_text()}).",
         "",
         "```",
-        *str(peak).splitlines()[:14],
+        *str(peak).splitlines()[:12],
         "```",
     ]
     # Stated in the text, not as Targets yet: the README's table of targets is pasted from a
