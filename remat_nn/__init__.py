@@ -51,6 +51,9 @@ from remat_nn.invertible import (
     register_inverse,
 )
 
+# --- the optimizer update inside the backward pass ----------------------------------------------
+from remat_nn._fused_update import FusedUpdateError, fused_update_step
+
 # --- comparing gradients -------------------------------------------------------------------------
 from remat_nn._compare import relative_error
 
@@ -70,6 +73,8 @@ from remat_nn._reversible import (
 
 __all__ = [
     "__version__",
+    "FusedUpdateError",
+    "fused_update_step",
     "ALIASES",
     "POLICIES",
     "CompiledMemory",

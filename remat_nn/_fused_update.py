@@ -1,0 +1,391 @@
+"""The optimizer update inside the backward pass, for a stack of layers applied with a scan.
+
+``fused_update_step`` builds a train step whose backward is a reverse ``lax.scan`` that, right
+after computing layer ``i``'s gradient, applies the optimizer's update to layer ``i``'s slice of
+the parameter stack and of the optimizer state (``dynamic_update_index_in_dim`` on the carried
+stacks). The full gradient of the stack never exists: at any time one layer's gradient is live.
+Jitted with the state donated, the updates are written into the old state's buffers.
+
+Only element-wise optimizers qualify (the update of a leaf reads only that leaf's gradient,
+state and parameter). The step checks this once, numerically, before its first use: see
+``_check_element_wise``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from remat_nn.errors import RematNNError
+
+if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
+    import optax
+
+__all__ = ["FusedUpdateError", "fused_update_step"]
+
+# Transformations whose update of a leaf reads the whole gradient; each with the alternative.
+_WHOLE_GRADIENT = {
+    "clip_by_global_norm": "clip each layer separately with optax.clip_by_block_rms or "
+    "optax.clip (element-wise), or use the two-phase step (jax.grad, then tx.update)",
+    "MultiSteps": "gradient accumulation keeps a full gradient buffer, which is what the fused "
+    "step removes: use the two-phase step with optax.MultiSteps",
+    "scale_by_trust_ratio": "the trust ratio is a norm over the whole stacked leaf: use the "
+    "two-phase step",
+    "adaptive_grad_clip": "the clipping norm is taken over the whole stacked leaf: use the "
+    "two-phase step",
+}
+
+
+class FusedUpdateError(RematNNError, ValueError):
+    """The optimizer cannot be applied per layer inside the backward pass.
+
+    Example: ``fused_update_step(..., optimizer=optax.chain(optax.clip_by_global_norm(1.0),
+    optax.adam(1e-3)))`` needs the norm of the whole gradient before any layer is updated.
+    """
+
+
+def fused_update_step(
+    embed_fn: Callable[[Any, Any], jax.Array],
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
+    """A train step that updates each layer of a stack as soon as its gradient is known.
+
+    The model is ``head_fn(rest, scan(layer_fn, embed_fn(rest, batch), stack), batch) -> loss``
+    with ``params = (stack, rest)``: every leaf of ``stack`` has a leading layer axis. The step's
+    backward recomputes one layer at a time from its saved input (remat per layer), takes that
+    layer's VJP, updates that layer's parameters and optimizer state in place, and moves on; the
+    parameters in ``rest`` (embeddings, head, norms outside the stack) are updated at the end.
+    Jit it with ``donate_argnums=(0, 1)`` so the in-place updates reuse the old state's buffers.
+
+    The result equals the two-phase step (``jax.grad``, then ``optimizer.update``) for
+    element-wise optimizers (sgd with momentum, adam, adamw, lion, their schedules), up to
+    float32 round-off of the reordered arithmetic. Others are refused with
+    :class:`FusedUpdateError` on the first call.
+
+    Args:
+      embed_fn: ``(rest, batch) -> h``, the input of the first layer.
+      layer_fn: ``(layer_params, h) -> h``, one layer; ``layer_params`` is one slice of ``stack``.
+      head_fn: ``(rest, h, batch) -> loss``, a scalar loss from the last layer's output.
+      optimizer: an optax transformation; ``opt_state = optimizer.init((stack, rest))``.
+
+    Returns:
+      ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
+      update.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import remat_nn as rn
+    >>> tx = optax.adam(1e-2)
+    >>> step = rn.fused_update_step(
+    ...     lambda rest, x: x * rest["scale"],
+    ...     lambda w, h: jnp.tanh(h @ w),
+    ...     lambda rest, h, x: jnp.mean((h - x) ** 2),
+    ...     tx,
+    ... )
+    >>> params = (jnp.ones((3, 4, 4)) * 0.1, {"scale": jnp.ones(())})
+    >>> params, opt_state, loss = jax.jit(step, donate_argnums=(0, 1))(
+    ...     params, tx.init(params), jnp.ones((2, 4))
+    ... )
+    >>> params[0].shape
+    (3, 4, 4)
+    """
+    checked: list[bool] = []
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        _check_params(params)
+        if not checked:
+            _check_element_wise(optimizer, params)
+            checked.append(True)
+        stack, rest = params
+        split = _split(opt_state, params)
+        h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
+
+        def forward(h: jax.Array, layer: Any) -> tuple[jax.Array, jax.Array]:
+            return layer_fn(layer, h), h
+
+        h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape), layer inputs
+        loss, head_vjp = jax.vjp(lambda r, h: head_fn(r, h, batch), rest, h_last)
+        g_rest, dh = head_vjp(jnp.ones_like(loss))
+        stacks = _stack_halves(split)
+        stack, stacks, dh = _backward_update(layer_fn, optimizer, split, stack, stacks, inputs, dh)
+        (g_embed,) = embed_vjp(dh)
+        g_rest = jax.tree.map(jnp.add, g_rest, g_embed)
+        rest, opt_state = _update_rest(optimizer, split, stacks, rest, g_rest)
+        return (stack, rest), opt_state, loss
+
+    return step
+
+
+def _check_params(params: Any) -> None:
+    if not (isinstance(params, tuple) and len(params) == 2):
+        raise TypeError(
+            f"fused_update_step: params must be a pair (stack, rest), got {type(params).__name__}"
+            "; put the stacked layer parameters first and everything else second, e.g. "
+            "params = (variables['params']['layers'], other_params)."
+        )
+    leaves = jax.tree.leaves(params[0])
+    if not leaves or len({x.shape[:1] for x in leaves}) != 1 or leaves[0].ndim == 0:
+        shapes = [x.shape for x in leaves]
+        raise ValueError(
+            f"fused_update_step: every leaf of params[0] (the stack) needs the same leading "
+            f"layer axis, got shapes {shapes}; stack the layers with jax.tree.map(jnp.stack, ...) "
+            "or nn.scan's variable_axes={'params': 0}."
+        )
+
+
+# --- splitting the optimizer state: stack slices, rest, and per-step scalars ---------------------
+# An optax state mirrors the parameters wherever it holds per-parameter values (adam's mu and nu,
+# momentum's trace): such a node has the tree structure of ``(stack, rest)``. Per layer the step
+# calls ``optimizer.update`` on ``(layer_i, ())`` with each mirror node replaced by its slice
+# ``(m[0][i], ())``; the rest is updated on ``((), rest)``. Every other leaf (adam's ``count``,
+# schedules' step) is passed unchanged to every call and taken from the rest update, so it
+# advances exactly once per step.
+
+
+def _mirror_test(treedef: Any) -> Callable[[Any], bool]:
+    def is_mirror(node: Any) -> bool:
+        return isinstance(node, tuple) and jax.tree.structure(node) == treedef
+
+    return is_mirror
+
+
+def _split(opt_state: Any, params: Any) -> tuple[Any, list[Any], list[bool]]:
+    flat, treedef = jax.tree.flatten(opt_state, is_leaf=_mirror_test(jax.tree.structure(params)))
+    return treedef, flat, [_mirror_test(jax.tree.structure(params))(x) for x in flat]
+
+
+def _stack_halves(split: tuple[Any, list[Any], list[bool]]) -> list[Any]:
+    _, flat, is_mirror = split
+    return [x[0] for x, m in zip(flat, is_mirror, strict=True) if m]
+
+
+def _flatten_like(state: Any, params: Any) -> list[Any]:
+    return jax.tree.flatten(state, is_leaf=_mirror_test(jax.tree.structure(params)))[0]
+
+
+def _state_for(
+    treedef: Any, flat: list[Any], is_mirror: list[bool], *, stacks: list[Any] | None
+) -> Any:
+    """The state of one layer (``stacks`` = its slices, ``(slice, ())``) or of the rest."""
+    if stacks is None:
+        return treedef.unflatten(
+            [((), x[1]) if m else x for x, m in zip(flat, is_mirror, strict=True)]
+        )
+    sliced = iter(stacks)
+    return treedef.unflatten(
+        [(next(sliced), ()) if m else x for x, m in zip(flat, is_mirror, strict=True)]
+    )
+
+
+def _backward_update(
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    tx: optax.GradientTransformation,
+    split: tuple[Any, list[Any], list[bool]],
+    stack: Any,
+    stacks: list[Any],
+    inputs: jax.Array,
+    dh: jax.Array,
+) -> tuple[Any, list[Any], jax.Array]:
+    """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice."""
+
+    def body(carry: tuple[Any, list[Any], jax.Array], i: jax.Array) -> Any:
+        stack, stacks, dh = carry
+        layer = _read(stack, i)
+        _, layer_vjp = jax.vjp(layer_fn, layer, _read(inputs, i))
+        grad, dh = layer_vjp(dh)
+        stack, stacks = _update_slice(tx, split, stack, stacks, layer, grad, i)
+        return (stack, stacks, dh), None
+
+    length = jax.tree.leaves(stack)[0].shape[0]
+    (stack, stacks, dh), _ = lax.scan(body, (stack, stacks, dh), jnp.arange(length), reverse=True)
+    return stack, stacks, dh
+
+
+def _update_slice(
+    tx: optax.GradientTransformation,
+    split: tuple[Any, list[Any], list[bool]],
+    stack: Any,
+    stacks: list[Any],
+    layer: Any,
+    grad: Any,
+    i: jax.Array | int,
+) -> tuple[Any, list[Any]]:
+    """Updates layer ``i`` of the parameter stack and of the state's stack halves."""
+    treedef, flat, is_mirror = split
+
+    def update(layer: Any, grad: Any, slices: list[Any]) -> tuple[Any, list[Any]]:
+        state_i = _state_for(treedef, flat, is_mirror, stacks=slices)
+        updates, new_state_i = tx.update((grad, ()), state_i, (layer, ()))
+        new_flat = _flatten_like(new_state_i, (layer, ()))
+        new_slices = [x[0] for x, m in zip(new_flat, is_mirror, strict=True) if m]
+        return _apply_updates(layer, _first(updates)), new_slices
+
+    # The update runs as a branch of a conditional, whose operands are the old slices: XLA does
+    # not fuse across it, so no read of an old slice is fused into a consumer scheduled after the
+    # slice's write (which would make XLA copy the whole stack each iteration).
+    operands = (layer, grad, [_read(s, i) for s in stacks])
+    new_layer, new_slices = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
+    stack = _write(stack, new_layer, i)
+    return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)]
+
+
+def _update_rest(
+    tx: optax.GradientTransformation,
+    split: tuple[Any, list[Any], list[bool]],
+    stacks: list[Any],
+    rest: Any,
+    g_rest: Any,
+) -> tuple[Any, Any]:
+    """Updates the non-stacked parameters; also advances the per-step scalars exactly once."""
+    treedef, flat, is_mirror = split
+    updates, new_state = tx.update(
+        ((), g_rest), _state_for(treedef, flat, is_mirror, stacks=None), ((), rest)
+    )
+    rest = _apply_updates(rest, _second(updates))
+    carried = iter(stacks)
+    new_flat = _flatten_like(new_state, ((), rest))
+    state = treedef.unflatten(
+        [(next(carried), x[1]) if m else x for x, m in zip(new_flat, is_mirror, strict=True)]
+    )
+    return rest, state
+
+
+def _first(pair: Any) -> Any:
+    return pair[0]
+
+
+def _second(pair: Any) -> Any:
+    return pair[1]
+
+
+def _read(stack: Any, i: jax.Array | int) -> Any:
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stack)
+
+
+def _write(stack: Any, layer: Any, i: jax.Array | int) -> Any:
+    return jax.tree.map(lambda s, x: lax.dynamic_update_index_in_dim(s, x, i, 0), stack, layer)
+
+
+# --- refusing optimizers that are not element-wise ------------------------------------------------
+# Two checks, both before the first step is traced. A deny-list names the optax transformations
+# known to read the whole gradient (found in the optimizer's update closures), with the
+# alternative for each. Then a numerical probe, which covers transformations nobody listed: on
+# small random parameters of the same tree and ranks (so callable masks see the same ranks), two
+# steps of the per-layer split update must equal the whole update. The gradients are large
+# (norm 1e3 per element) so that norm-based clipping, if any, is active during the probe.
+
+
+def _transform_names(fn: Any, seen: set[int] | None = None) -> list[str]:
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    names = [getattr(fn, "__qualname__", type(fn).__name__)]
+    owner = getattr(fn, "__self__", None)
+    if owner is not None:
+        names.append(type(owner).__name__)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        values = value if isinstance(value, list | tuple) else (value,)
+        for v in values:
+            if _is_transformation(v):
+                names += _transform_names(v.update, seen)
+            elif callable(v):
+                names += _transform_names(v, seen)
+    return names
+
+
+def _check_element_wise(tx: optax.GradientTransformation, params: Any) -> None:
+    names = " ".join(_transform_names(tx.update))
+    for name, alternative in _WHOLE_GRADIENT.items():
+        if name in names:
+            raise FusedUpdateError(
+                f"fused_update_step: optimizer contains optax.{name}, which reads the whole "
+                f"gradient before updating any leaf, so it cannot run per layer inside the "
+                f"backward pass. Alternative: {alternative}."
+            )
+    try:
+        with jax.ensure_compile_time_eval():  # the step may be being traced: probe eagerly
+            err = _probe(tx, params)
+    except Exception as e:  # noqa: BLE001 -- any failure of the split update is a refusal
+        raise FusedUpdateError(
+            f"fused_update_step: optimizer {names.split()[0]} cannot be applied to one layer's "
+            f"slice of the state ({type(e).__name__}: {e}). Per-layer updates need an "
+            "element-wise optax transformation (sgd, adam, adamw, lion, ...) without masks given "
+            "as pytrees; use the two-phase step (jax.grad, then tx.update) otherwise."
+        ) from e
+    if not err <= 1e-6:
+        raise FusedUpdateError(
+            f"fused_update_step: optimizer {names.split()[0]} is not element-wise: on a probe, "
+            f"updating each layer separately differs from updating the whole stack (max-scaled "
+            f"relative error {err:.3g}). It needs more than one leaf slice's gradient (a global "
+            "norm, a trust ratio, an accumulation?): use per-layer clipping (optax.clip, "
+            "optax.clip_by_block_rms) or the two-phase step (jax.grad, then tx.update)."
+        )
+
+
+def _probe(tx: optax.GradientTransformation, params: Any) -> float:
+    rng = np.random.default_rng(0)
+
+    def small(x: jax.Array, lead: int = 0) -> np.ndarray:
+        shape = x.shape[:lead] + tuple(min(d, 3) for d in x.shape[lead:])
+        return rng.standard_normal(shape).astype(np.float32)
+
+    stack, rest = params
+    length = min(jax.tree.leaves(stack)[0].shape[0], 3)
+    p = (jax.tree.map(lambda x: small(x[:length], 1), stack), jax.tree.map(small, rest))
+    whole_state = split_state = tx.init(p)
+    whole_p = split_p = p
+    err = 0.0
+    for _ in range(2):
+        g = jax.tree.map(lambda x: 1e3 * rng.standard_normal(x.shape).astype(np.float32), p)
+        u, whole_state = tx.update(g, whole_state, whole_p)
+        whole_p = _apply_updates(whole_p, u)
+        split_p, split_state = _split_update(tx, split_p, split_state, g)
+        for a, b in zip(
+            jax.tree.leaves((split_p, split_state)),
+            jax.tree.leaves((whole_p, whole_state)),
+            strict=True,
+        ):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            scale = np.max(np.abs(b)) if b.size else 0.0
+            err = max(
+                err,
+                float(np.max(np.abs(a - b)) / scale)
+                if scale
+                else float(np.max(np.abs(a), initial=0.0)),
+            )
+    return err
+
+
+def _split_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any) -> Any:
+    """The fused step's update order, eagerly: each layer's slice, then the rest."""
+    (stack, rest), (g_stack, g_rest) = params, grads
+    split = _split(opt_state, params)
+    stacks = _stack_halves(split)
+    for i in reversed(range(jax.tree.leaves(stack)[0].shape[0])):
+        layer, grad = _read(stack, i), _read(g_stack, i)
+        stack, stacks = _update_slice(tx, split, stack, stacks, layer, grad, i)
+    rest, state = _update_rest(tx, split, stacks, rest, g_rest)
+    return (stack, rest), state
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+    import optax  # noqa: PLC0415  (imported on use: `import remat_nn` needs no optax)
+
+    return optax.apply_updates(params, updates)
+
+
+def _is_transformation(v: Any) -> bool:
+    import optax  # noqa: PLC0415
+
+    return isinstance(v, optax.GradientTransformation)
