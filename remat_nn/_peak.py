@@ -358,7 +358,7 @@ def explain_peak(
         hlo = files["hlo"].read_text()
     stats = compiled.memory_analysis()
     if stats is None:
-        raise NotImplementedError(
+        raise RuntimeError(
             f"explain_peak: XLA's {jax.default_backend()} backend gives no memory analysis. "
             "Fix: explain on a cpu, gpu or tpu backend."
         )
