@@ -1,8 +1,8 @@
 """The wheel: only ``remat_nn`` in site-packages, a core that installs and imports without flax.
 
 The wheel is built from a copy of the clone's files (tracked and new, as ``git ls-files`` lists
-them: train/, models/, benchmarks/ and configs/ included) by ``pip wheel`` with build isolation
-(pip takes setuptools from its configured index).
+them: train/, models/, benchmarks/ and configs/ included) by ``pip wheel`` without build isolation,
+with the setuptools pinned in requirements.lock (nothing downloads at test time).
 It is then installed into a fresh venv that sees only the core's dependencies: the venv has no
 system site-packages, and each distribution ``jax``, ``numpy`` and ``pyyaml`` need (recursively,
 from their metadata) is linked in from this interpreter's site-packages, nothing else. flax is not
@@ -47,7 +47,8 @@ def wheel(tmp_path_factory) -> Path:
     assert (src / "train" / "__main__.py").exists() and (src / "configs").is_dir()
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(src), "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index"]
+        + ["--no-build-isolation", str(src), "-w", str(out)],
         check=True,
         capture_output=True,
     )
