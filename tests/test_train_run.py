@@ -615,3 +615,49 @@ def test_processes_launched_with_different_configs_all_exit_2(tmp_path):
         results = _launch(tmp_path / "mp", flags=flags)
     for code, out in results:
         assert code == 2 and "processes [1] were launched with another config" in out, out
+
+
+def _logged_steps(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_killed_peer_makes_the_survivor_abort_within_the_heartbeat_timeout(tmp_path):
+    # #31 item 6: a SIGKILLed process never joins the next collective; the coordinator (process 0)
+    # must declare it dead after distributed.heartbeat_timeout, not JAX's default 100 s. (A killed
+    # process 0 takes the coordination service with it: process 1 then aborts at once, whatever
+    # the timeout, so that case proves nothing about it.)
+    timeout = 3
+    bound = 4 * timeout + 10  # heartbeat period and error polling, on a loaded machine
+    run_dir = tmp_path / "mp"
+    long = ("train.steps=100000", "checkpoint.every=100000", "train.eval_every=0")
+    argv = cli_argv(run_dir, *long, f"distributed.heartbeat_timeout={timeout}")
+    with held_port() as port:
+        flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+        survivor, victim = (cli([*argv, *flags, i], devices=2) for i in ("0", "1"))
+        try:
+            deadline = time.monotonic() + 120  # a hang guard for the start-up
+            while _logged_steps(run_dir) < 3 and time.monotonic() < deadline:
+                assert survivor.poll() is None and victim.poll() is None, survivor.communicate()
+                time.sleep(0.05)
+            victim.kill()
+            victim.communicate()
+            killed_at = time.monotonic()
+            try:
+                out = survivor.communicate(timeout=bound)[0]
+            except subprocess.TimeoutExpired:
+                survivor.kill()
+                survivor.communicate()
+                pytest.fail(
+                    f"process 0 still ran {bound} s after process 1 was SIGKILLed "
+                    f"(distributed.heartbeat_timeout={timeout})"
+                )
+            waited = time.monotonic() - killed_at
+        finally:
+            for p in (survivor, victim):
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    assert _logged_steps(run_dir) >= 3, "the run never reached step 3"
+    assert survivor.returncode != 0 and waited < bound, (survivor.returncode, waited, out)
+    assert "tasks are unhealthy (stopped sending heartbeats):\n1\n" in out, out
