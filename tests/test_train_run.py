@@ -8,7 +8,9 @@ in subprocesses import this module to register the same model.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
 import signal
 import subprocess
 import time
@@ -115,9 +117,16 @@ def cli_argv(run_dir, *overrides: str) -> list[str]:
     ]
 
 
-def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **kw):
+def cli(
+    argv: list[str],
+    *,
+    devices: int,
+    env: dict[str, str] | None = None,
+    register: str = "register_tiny",
+    **kw,
+):
     """``python -m train`` with this module's model registered, in a fresh process."""
-    return launch(argv, register="test_train_run:register_tiny", devices=devices, env=env, **kw)
+    return launch(argv, register=f"test_train_run:{register}", devices=devices, env=env, **kw)
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -312,7 +321,9 @@ def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
 # --- multi-process --------------------------------------------------------------------------------
 
 
-def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6"):
+def _launch(
+    run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6", register="register_tiny"
+):
     """Two ``python -m train`` processes on localhost: [(exit code, output)] per process.
 
     Without ``flags`` they meet at a coordinator on a port held for them (tests/ports.py).
@@ -325,7 +336,10 @@ def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=
                 for i in ("0", "1")
             ]
         argvs = [[*cli_argv(run_dir, steps, "train.eval_every=3"), *extra, *f] for f in flags]
-        procs = [cli(a, devices=2, env=env) for a, env in zip(argvs, envs, strict=True)]
+        procs = [
+            cli(a, devices=2, env=env, register=register)
+            for a, env in zip(argvs, envs, strict=True)
+        ]
         outs = []
         deadline = time.monotonic() + 150  # a hang guard, not a measurement
         for p in procs:
@@ -409,6 +423,30 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def register_tiny_with_a_clock_of_its_own() -> None:
+    """register_tiny, and an every_minutes clock advancing $REMAT_NN_TEST_TICK s per read."""
+    register_tiny()
+    tick, reads = float(os.environ["REMAT_NN_TEST_TICK"]), itertools.count()
+    loop._clock = lambda: tick * next(reads)
+
+
+def test_every_minutes_saves_the_steps_process_0_clock_chooses_on_every_process(tmp_path):
+    # A save is collective: a process deciding by its own clock alone would save without the
+    # other and hang. Process 0's clock passes a minute between any two reads, process 1's
+    # never moves: both save at the log steps 2 and 4 (and 6, the end), by process 0's clock.
+    timed = ("train.log_every=2", "checkpoint.every=1000", "checkpoint.keep=10")
+    results = _launch(
+        tmp_path / "mp",
+        *timed,
+        "checkpoint.every_minutes=1",
+        envs=({"REMAT_NN_TEST_TICK": "61"}, {"REMAT_NN_TEST_TICK": "0"}),
+        register="register_tiny_with_a_clock_of_its_own",
+    )
+    for code, out in results:
+        assert code == 0, out
+    assert _steps_saved(tmp_path / "mp") == [2, 4, 6]
 
 
 def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_path):
