@@ -359,32 +359,6 @@ def _two_processes(run_dir, *extra: str) -> list[str]:
     return [out for _, out in results]
 
 
-def test_two_process_run_saves_and_resumes(tmp_path):
-    run_dir = tmp_path / "mp"
-    first = _two_processes(run_dir, "--stop-after", "3")
-    assert "on 2 process(es)" in first[0] and "'data': 4" in first[0]
-    assert first[1].count("step") == 0  # only process 0 logs
-    second = _two_processes(run_dir)
-    assert "resumed from" in second[0] and "(step 3)" in second[0]
-
-    # Same data, same global batch, 4 devices in one process: the same losses.
-    single = loop.run(
-        make_cfg(
-            tmp_path / "one",
-            "train.steps=6",
-            "train.eval_every=3",
-            "train.log_every=1",
-            "mesh.data=4",
-        )
-    )
-    assert single.step == 6
-    np.testing.assert_allclose(
-        [r["loss"] for r in metrics(run_dir)],
-        [r["loss"] for r in metrics(tmp_path / "one")],
-        rtol=1e-5,
-    )
-
-
 def _steps_saved(run_dir) -> list[int]:
     names = [p.name for p in (Path(run_dir) / "checkpoints").iterdir()]
     return sorted(int(n) for n in names if n.isdigit())
@@ -404,27 +378,6 @@ def _saved_arrays(run_dir, step: int) -> dict:
     }
 
 
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
-    # A preemption notice reaches one host. Both must save the same step (the save is
-    # collective) and exit 128+15; the resumed run equals an uninterrupted one bit for bit.
-    long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0")
-    stopped = _launch(tmp_path / "mp", *long, envs=({}, {"REMAT_NN_FAULT": "sigterm@3"}))
-    for code, out in stopped:
-        assert code == 128 + signal.SIGTERM, out
-    (step,) = _steps_saved(tmp_path / "mp")
-    assert 3 <= step < 30
-    assert f"SIGTERM: saved checkpoint at step {step}" in stopped[0][1], stopped[0][1]
-
-    resumed = _launch(tmp_path / "mp", *long)
-    assert all(code == 0 for code, _ in resumed) and f"(step {step})" in resumed[0][1]
-    reference = _launch(tmp_path / "ref", *long)
-    assert all(code == 0 for code, _ in reference)
-    a, b = _saved_arrays(tmp_path / "mp", 30), _saved_arrays(tmp_path / "ref", 30)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-
-
 def register_tiny_with_a_clock_of_its_own() -> None:
     """register_tiny, and an every_minutes clock advancing $REMAT_NN_TEST_TICK s per read."""
     register_tiny()
@@ -432,21 +385,53 @@ def register_tiny_with_a_clock_of_its_own() -> None:
     loop._clock = lambda: tick * next(reads)
 
 
-def test_every_minutes_saves_the_steps_process_0_clock_chooses_on_every_process(tmp_path):
-    # A save is collective: a process deciding by its own clock alone would save without the
-    # other and hang. Process 0's clock passes a minute between any two reads, process 1's
-    # never moves: both save at the log steps 2 and 4 (and 6, the end), by process 0's clock.
-    timed = ("train.log_every=2", "checkpoint.every=1000", "checkpoint.keep=10")
-    results = _launch(
+def test_two_processes_stop_together_resume_bitwise_and_save_by_process_0s_clock(tmp_path):
+    # One run of two processes stopped and resumed, against an uninterrupted one (two process
+    # start-ups per run, so the three claims share them):
+    # - a preemption notice (SIGTERM) reaches process 1 only: both save the same step (the
+    #   save is collective) and exit 128+15;
+    # - the resumed run also checkpoints by time (checkpoint.every_minutes), on process 0's
+    #   clock, which passes a minute between any two reads while process 1's stands still: a
+    #   process deciding by its own clock would save alone and hang;
+    # - it ends bit for bit equal to the uninterrupted run, whose losses equal one process's
+    #   with the same 4 devices.
+    long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0", "checkpoint.keep=10")
+    stopped = _launch(tmp_path / "mp", *long, envs=({}, {"REMAT_NN_FAULT": "sigterm@3"}))
+    for code, out in stopped:
+        assert code == 128 + signal.SIGTERM, out
+    (step,) = _steps_saved(tmp_path / "mp")
+    assert 3 <= step < 30
+    assert f"SIGTERM: saved checkpoint at step {step}" in stopped[0][1], stopped[0][1]
+
+    resumed = _launch(
         tmp_path / "mp",
-        *timed,
+        *long,
+        "train.log_every=10",  # timed saves are decided at log steps
         "checkpoint.every_minutes=1",
         envs=({"REMAT_NN_TEST_TICK": "61"}, {"REMAT_NN_TEST_TICK": "0"}),
         register="register_tiny_with_a_clock_of_its_own",
     )
-    for code, out in results:
+    assert all(code == 0 for code, _ in resumed) and f"(step {step})" in resumed[0][1]
+    assert _steps_saved(tmp_path / "mp") == sorted({step} | {s for s in (10, 20, 30) if s > step})
+
+    reference = _launch(tmp_path / "ref", *long)
+    for code, out in reference:
         assert code == 0, out
-    assert _steps_saved(tmp_path / "mp") == [2, 4, 6]
+    assert "on 2 process(es)" in reference[0][1] and "'data': 4" in reference[0][1]
+    assert reference[1][1].count("step") == 0  # only process 0 logs
+    a, b = _saved_arrays(tmp_path / "mp", 30), _saved_arrays(tmp_path / "ref", 30)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    # Same data, same global batch, 4 devices in one process: the same losses.
+    single = loop.run(make_cfg(tmp_path / "one", *long, "train.log_every=1", "mesh.data=4"))
+    assert single.step == 30
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(tmp_path / "ref")],
+        [r["loss"] for r in metrics(tmp_path / "one")],
+        rtol=1e-5,
+    )
 
 
 def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_path):
