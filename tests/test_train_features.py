@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pydantic
 import pytest
 
 import models
 from tests.gradients import rel_err
+from tests.tiny_models import TinyOptions
 from tests.trainer_cli import shared_compilation_cache
 from train import init_from, loop
 from train import state as state_lib
@@ -31,12 +31,6 @@ from train.checkpoint import Checkpointer
 from train.config import Optim, load_config
 
 DENSE = "tiny_dense_for_feature_tests"
-
-
-class DenseOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    num_classes: int = 10
-    width: int = 16
 
 
 class TinyDense(fnn.Module):
@@ -52,7 +46,7 @@ class TinyDense(fnn.Module):
 
 @pytest.fixture(scope="module", autouse=True)
 def dense_model_registered():
-    spec = models.ModelSpec(build=TinyDense, options=DenseOptions, task="classify", doc="tests")
+    spec = models.ModelSpec(build=TinyDense, options=TinyOptions, task="classify", doc="tests")
     models.register(DENSE, spec)
     yield
     models.REGISTRY.pop(DENSE, None)

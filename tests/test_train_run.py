@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import pydantic
 import pytest
 
 import models
 from tests.gradients import rel_err
 from tests.ports import held_port
+from tests.tiny_models import TinyOptions
 from tests.trainer_cli import launch, shared_compilation_cache
 from train import loop
 from train import state as state_lib
@@ -36,12 +36,6 @@ from train.config import Checkpoint, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "tiny_mlp_for_train_tests"
-
-
-class TinyOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    num_classes: int = 10
-    width: int = 16
 
 
 class TinyMLP(fnn.Module):
