@@ -128,16 +128,14 @@ def _adamw_steps(k: int, dtype, *, steps: int = 4, reverse: bool = False):
     tx, _ = state_lib.make_optimizer(Optim(lr=0.05, warmup_steps=2, weight_decay=0.1), steps)
     grad_fn = state_lib.accumulated_value_and_grad(loss_fn, k)
 
-    @jax.jit
-    def run(params, xs, ys):
-        opt_state = tx.init(params)
-        for x, y in zip(xs, ys, strict=True):
-            grads = grad_fn(params, {}, {"x": x, "y": y}, jax.random.key(1))[1]
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return params
+    def step(carry, batch):
+        params, opt_state = carry
+        grads = grad_fn(params, {}, batch, jax.random.key(1))[1]
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
 
-    return run(params, xs, ys)
+    run = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), {"x": xs, "y": ys})[0][0])
+    return run(params)
 
 
 def _relative_error_f64(got, want) -> float:
