@@ -372,6 +372,32 @@ def _saved_arrays(run_dir, step: int) -> dict:
     }
 
 
+def _launch_as_slurm_would(run_dir, *extra: str) -> list[tuple[int, str]]:
+    """:func:`_launch` with no coordinator flags, in a Slurm step's environment instead.
+
+    JAX's Slurm detection: coordinator = first node of the step, port from the job id. A job
+    id whose port is free is chosen and the port held until both processes have exited.
+    """
+    with contextlib.ExitStack() as stack:
+        for job in range(4096):
+            try:
+                stack.enter_context(held_port(61440 + job))
+                break
+            except OSError:
+                continue
+        envs = [
+            {
+                "SLURM_JOB_ID": str(job),
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i),
+                "SLURM_LOCALID": str(i),
+            }
+            for i in range(2)
+        ]
+        return _launch(run_dir, *extra, envs=envs, flags=[[], []])
+
+
 def register_tiny_with_a_clock_of_its_own() -> None:
     """register_tiny, and an every_minutes clock advancing $REMAT_NN_TEST_TICK s per read."""
     register_tiny()
@@ -388,7 +414,8 @@ def test_two_processes_stop_together_resume_bitwise_and_save_by_process_0s_clock
     #   clock, which passes a minute between any two reads while process 1's stands still: a
     #   process deciding by its own clock would save alone and hang;
     # - it ends bit for bit equal to the uninterrupted run, whose losses equal one process's
-    #   with the same 4 devices.
+    #   with the same 4 devices; that run's processes find each other as in a Slurm step
+    #   (no coordinator given).
     long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0", "checkpoint.keep=10")
     stopped = _launch(tmp_path / "mp", *long, envs=({}, {"REMAT_NN_FAULT": "sigterm@3"}))
     for code, out in stopped:
@@ -408,7 +435,7 @@ def test_two_processes_stop_together_resume_bitwise_and_save_by_process_0s_clock
     assert all(code == 0 for code, _ in resumed) and f"(step {step})" in resumed[0][1]
     assert _steps_saved(tmp_path / "mp") == sorted({step} | {s for s in (10, 20, 30) if s > step})
 
-    reference = _launch(tmp_path / "ref", *long)
+    reference = _launch_as_slurm_would(tmp_path / "ref", *long)
     for code, out in reference:
         assert code == 0, out
     assert "on 2 process(es)" in reference[0][1] and "'data': 4" in reference[0][1]
@@ -449,32 +476,6 @@ def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_pat
     for code, out in locked:
         assert code == 5, out
     assert "RunLockedError: process 0 failed at start-up" in locked[1][1]
-
-
-def test_slurm_launch_is_detected_without_a_coordinator(tmp_path):
-    # JAX's Slurm detection: coordinator = first node of the step, port from the job id. A job
-    # id whose port is free is chosen and the port held until both processes have exited.
-    with contextlib.ExitStack() as stack:
-        for job in range(4096):
-            try:
-                stack.enter_context(held_port(61440 + job))
-                break
-            except OSError:
-                continue
-        envs = [
-            {
-                "SLURM_JOB_ID": str(job),
-                "SLURM_STEP_NODELIST": "localhost",
-                "SLURM_NTASKS": "2",
-                "SLURM_PROCID": str(i),
-                "SLURM_LOCALID": str(i),
-            }
-            for i in range(2)
-        ]
-        results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
-    for code, out in results:
-        assert code == 0, out
-    assert "on 2 process(es)" in results[0][1] and _steps_saved(tmp_path / "slurm") == [2]
 
 
 # --- non-finite loss, bfloat16, dry run -----------------------------------------------------------
