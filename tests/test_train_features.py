@@ -18,24 +18,19 @@ import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pydantic
+import optax
 import pytest
 
 import models
 from tests.gradients import rel_err
+from tests.tiny_models import TinyOptions
 from tests.trainer_cli import shared_compilation_cache
 from train import init_from, loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
-from train.config import load_config
+from train.config import Optim, load_config
 
 DENSE = "tiny_dense_for_feature_tests"
-
-
-class DenseOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    num_classes: int = 10
-    width: int = 16
 
 
 class TinyDense(fnn.Module):
@@ -51,7 +46,7 @@ class TinyDense(fnn.Module):
 
 @pytest.fixture(scope="module", autouse=True)
 def dense_model_registered():
-    spec = models.ModelSpec(build=TinyDense, options=DenseOptions, task="classify", doc="tests")
+    spec = models.ModelSpec(build=TinyDense, options=TinyOptions, task="classify", doc="tests")
     models.register(DENSE, spec)
     yield
     models.REGISTRY.pop(DENSE, None)
@@ -109,6 +104,62 @@ def test_accumulated_gradient_is_the_large_batch_gradient():
         (loss, (acc, _)), grads = fn(params, {}, batch, key)
         assert rel_err(grads, want) <= 1e-6, k
         assert rel_err(loss, want_loss) <= 1e-6 and rel_err(acc, want_acc) <= 1e-6
+
+
+def _adamw_steps(k: int, dtype, *, steps: int = 4, reverse: bool = False):
+    # `steps` adamw updates (the trainer's optimizer, weight decay on) of TinyDense on batches of
+    # 32, each gradient over k micro-batches; `reverse`: every batch with its rows reversed.
+    # An optax loss, so that under x64 everything is `dtype` (the trainer's casts logits to
+    # float32).
+    model = TinyDense()
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.uniform(0, 1, (steps, 32, 8, 8, 1)), dtype)  # (steps, B, H, W, C)
+    ys = jnp.asarray(rng.integers(0, 10, (steps, 32)), jnp.int32)
+    if reverse:
+        xs, ys = xs[:, ::-1], ys[:, ::-1]
+    params = model.init(jax.random.key(0), xs[0, :1])["params"]
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
+
+    def loss_fn(params, batch_stats, batch, key):
+        logits = model.apply({"params": params}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        return jnp.mean(loss), ({}, batch_stats)
+
+    tx, _ = state_lib.make_optimizer(Optim(lr=0.05, warmup_steps=2, weight_decay=0.1), steps)
+    grad_fn = state_lib.accumulated_value_and_grad(loss_fn, k)
+
+    def step(carry, batch):
+        params, opt_state = carry
+        grads = grad_fn(params, {}, batch, jax.random.key(1))[1]
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
+
+    run = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), {"x": xs, "y": ys})[0][0])
+    return run(params)
+
+
+def _relative_error_f64(got, want) -> float:
+    # rn.relative_error compares in float32, which would hide float64 round-off.
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    return max(
+        float(np.max(np.abs(np.float64(g) - np.float64(w))) / np.max(np.abs(np.float64(w))))
+        for g, w in pairs
+    )
+
+
+def test_grad_accum_adamw_steps_are_the_large_batch_steps_up_to_round_off():
+    # Accumulating sums the examples in another order; adam's m / sqrt(v) passes a gradient's
+    # relative round-off on to the update. In float64 the 4 steps agree to round-off; in
+    # float32 they differ by as much as the large batch differs from itself with its examples
+    # in reverse order (the same mathematical update).
+    with jax.enable_x64(True):
+        want = _adamw_steps(1, jnp.float64)
+        assert jax.tree.leaves(want)[0].dtype == jnp.float64
+        assert _relative_error_f64(_adamw_steps(4, jnp.float64), want) <= 1e-14
+    want = _adamw_steps(1, jnp.float32)
+    reordered = rel_err(_adamw_steps(1, jnp.float32, reverse=True), want)
+    accumulated = rel_err(_adamw_steps(4, jnp.float32), want)
+    assert 0 < reordered <= 1e-6 and accumulated <= 4 * reordered, (accumulated, reordered)
 
 
 def test_grad_accum_run_takes_the_large_batch_steps(tmp_path):

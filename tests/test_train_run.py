@@ -8,7 +8,9 @@ in subprocesses import this module to register the same model.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
 import signal
 import subprocess
 import time
@@ -20,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import pydantic
 import pytest
 
 import models
 from tests.gradients import rel_err
 from tests.ports import held_port
+from tests.tiny_models import TinyOptions
 from tests.trainer_cli import launch, shared_compilation_cache
 from train import loop
 from train import state as state_lib
@@ -34,12 +36,6 @@ from train.config import Checkpoint, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "tiny_mlp_for_train_tests"
-
-
-class TinyOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    num_classes: int = 10
-    width: int = 16
 
 
 class TinyMLP(fnn.Module):
@@ -115,9 +111,16 @@ def cli_argv(run_dir, *overrides: str) -> list[str]:
     ]
 
 
-def cli(argv: list[str], *, devices: int, env: dict[str, str] | None = None, **kw):
+def cli(
+    argv: list[str],
+    *,
+    devices: int,
+    env: dict[str, str] | None = None,
+    register: str = "register_tiny",
+    **kw,
+):
     """``python -m train`` with this module's model registered, in a fresh process."""
-    return launch(argv, register="test_train_run:register_tiny", devices=devices, env=env, **kw)
+    return launch(argv, register=f"test_train_run:{register}", devices=devices, env=env, **kw)
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -312,7 +315,9 @@ def test_restore_onto_one_device_and_back_with_sigterm(tmp_path):
 # --- multi-process --------------------------------------------------------------------------------
 
 
-def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6"):
+def _launch(
+    run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=6", register="register_tiny"
+):
     """Two ``python -m train`` processes on localhost: [(exit code, output)] per process.
 
     Without ``flags`` they meet at a coordinator on a port held for them (tests/ports.py).
@@ -325,7 +330,10 @@ def _launch(run_dir, *extra: str, envs=({}, {}), flags=None, steps="train.steps=
                 for i in ("0", "1")
             ]
         argvs = [[*cli_argv(run_dir, steps, "train.eval_every=3"), *extra, *f] for f in flags]
-        procs = [cli(a, devices=2, env=env) for a, env in zip(argvs, envs, strict=True)]
+        procs = [
+            cli(a, devices=2, env=env, register=register)
+            for a, env in zip(argvs, envs, strict=True)
+        ]
         outs = []
         deadline = time.monotonic() + 150  # a hang guard, not a measurement
         for p in procs:
@@ -343,32 +351,6 @@ def _two_processes(run_dir, *extra: str) -> list[str]:
     for code, out in results:
         assert code == 0, out
     return [out for _, out in results]
-
-
-def test_two_process_run_saves_and_resumes(tmp_path):
-    run_dir = tmp_path / "mp"
-    first = _two_processes(run_dir, "--stop-after", "3")
-    assert "on 2 process(es)" in first[0] and "'data': 4" in first[0]
-    assert first[1].count("step") == 0  # only process 0 logs
-    second = _two_processes(run_dir)
-    assert "resumed from" in second[0] and "(step 3)" in second[0]
-
-    # Same data, same global batch, 4 devices in one process: the same losses.
-    single = loop.run(
-        make_cfg(
-            tmp_path / "one",
-            "train.steps=6",
-            "train.eval_every=3",
-            "train.log_every=1",
-            "mesh.data=4",
-        )
-    )
-    assert single.step == 6
-    np.testing.assert_allclose(
-        [r["loss"] for r in metrics(run_dir)],
-        [r["loss"] for r in metrics(tmp_path / "one")],
-        rtol=1e-5,
-    )
 
 
 def _steps_saved(run_dir) -> list[int]:
@@ -390,10 +372,51 @@ def _saved_arrays(run_dir, step: int) -> dict:
     }
 
 
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
-    # A preemption notice reaches one host. Both must save the same step (the save is
-    # collective) and exit 128+15; the resumed run equals an uninterrupted one bit for bit.
-    long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0")
+def _launch_as_slurm_would(run_dir, *extra: str) -> list[tuple[int, str]]:
+    """:func:`_launch` with no coordinator flags, in a Slurm step's environment instead.
+
+    JAX's Slurm detection: coordinator = first node of the step, port from the job id. A job
+    id whose port is free is chosen and the port held until both processes have exited.
+    """
+    with contextlib.ExitStack() as stack:
+        for job in range(4096):
+            try:
+                stack.enter_context(held_port(61440 + job))
+                break
+            except OSError:
+                continue
+        envs = [
+            {
+                "SLURM_JOB_ID": str(job),
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i),
+                "SLURM_LOCALID": str(i),
+            }
+            for i in range(2)
+        ]
+        return _launch(run_dir, *extra, envs=envs, flags=[[], []])
+
+
+def register_tiny_with_a_clock_of_its_own() -> None:
+    """register_tiny, and an every_minutes clock advancing $REMAT_NN_TEST_TICK s per read."""
+    register_tiny()
+    tick, reads = float(os.environ["REMAT_NN_TEST_TICK"]), itertools.count()
+    loop._clock = lambda: tick * next(reads)
+
+
+def test_two_processes_stop_together_resume_bitwise_and_save_by_process_0s_clock(tmp_path):
+    # One run of two processes stopped and resumed, against an uninterrupted one (two process
+    # start-ups per run, so the three claims share them):
+    # - a preemption notice (SIGTERM) reaches process 1 only: both save the same step (the
+    #   save is collective) and exit 128+15;
+    # - the resumed run also checkpoints by time (checkpoint.every_minutes), on process 0's
+    #   clock, which passes a minute between any two reads while process 1's stands still: a
+    #   process deciding by its own clock would save alone and hang;
+    # - it ends bit for bit equal to the uninterrupted run, whose losses equal one process's
+    #   with the same 4 devices; that run's processes find each other as in a Slurm step
+    #   (no coordinator given).
+    long = ("train.steps=30", "checkpoint.every=1000", "train.eval_every=0", "checkpoint.keep=10")
     stopped = _launch(tmp_path / "mp", *long, envs=({}, {"REMAT_NN_FAULT": "sigterm@3"}))
     for code, out in stopped:
         assert code == 128 + signal.SIGTERM, out
@@ -401,14 +424,35 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert 3 <= step < 30
     assert f"SIGTERM: saved checkpoint at step {step}" in stopped[0][1], stopped[0][1]
 
-    resumed = _launch(tmp_path / "mp", *long)
+    resumed = _launch(
+        tmp_path / "mp",
+        *long,
+        "train.log_every=10",  # timed saves are decided at log steps
+        "checkpoint.every_minutes=1",
+        envs=({"REMAT_NN_TEST_TICK": "61"}, {"REMAT_NN_TEST_TICK": "0"}),
+        register="register_tiny_with_a_clock_of_its_own",
+    )
     assert all(code == 0 for code, _ in resumed) and f"(step {step})" in resumed[0][1]
-    reference = _launch(tmp_path / "ref", *long)
-    assert all(code == 0 for code, _ in reference)
+    assert _steps_saved(tmp_path / "mp") == sorted({step} | {s for s in (10, 20, 30) if s > step})
+
+    reference = _launch_as_slurm_would(tmp_path / "ref", *long)
+    for code, out in reference:
+        assert code == 0, out
+    assert "on 2 process(es)" in reference[0][1] and "'data': 4" in reference[0][1]
+    assert reference[1][1].count("step") == 0  # only process 0 logs
     a, b = _saved_arrays(tmp_path / "mp", 30), _saved_arrays(tmp_path / "ref", 30)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    # Same data, same global batch, 4 devices in one process: the same losses.
+    single = loop.run(make_cfg(tmp_path / "one", *long, "train.log_every=1", "mesh.data=4"))
+    assert single.step == 30
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(tmp_path / "ref")],
+        [r["loss"] for r in metrics(tmp_path / "one")],
+        rtol=1e-5,
+    )
 
 
 def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_path):
@@ -432,32 +476,6 @@ def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_pat
     for code, out in locked:
         assert code == 5, out
     assert "RunLockedError: process 0 failed at start-up" in locked[1][1]
-
-
-def test_slurm_launch_is_detected_without_a_coordinator(tmp_path):
-    # JAX's Slurm detection: coordinator = first node of the step, port from the job id. A job
-    # id whose port is free is chosen and the port held until both processes have exited.
-    with contextlib.ExitStack() as stack:
-        for job in range(4096):
-            try:
-                stack.enter_context(held_port(61440 + job))
-                break
-            except OSError:
-                continue
-        envs = [
-            {
-                "SLURM_JOB_ID": str(job),
-                "SLURM_STEP_NODELIST": "localhost",
-                "SLURM_NTASKS": "2",
-                "SLURM_PROCID": str(i),
-                "SLURM_LOCALID": str(i),
-            }
-            for i in range(2)
-        ]
-        results = _launch(tmp_path / "slurm", "--stop-after", "2", envs=envs, flags=[[], []])
-    for code, out in results:
-        assert code == 0, out
-    assert "on 2 process(es)" in results[0][1] and _steps_saved(tmp_path / "slurm") == [2]
 
 
 # --- non-finite loss, bfloat16, dry run -----------------------------------------------------------
@@ -615,3 +633,49 @@ def test_processes_launched_with_different_configs_all_exit_2(tmp_path):
         results = _launch(tmp_path / "mp", flags=flags)
     for code, out in results:
         assert code == 2 and "processes [1] were launched with another config" in out, out
+
+
+def _logged_steps(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_killed_peer_makes_the_survivor_abort_within_the_heartbeat_timeout(tmp_path):
+    # #31 item 6: a SIGKILLed process never joins the next collective; the coordinator (process 0)
+    # must declare it dead after distributed.heartbeat_timeout, not JAX's default 100 s. (A killed
+    # process 0 takes the coordination service with it: process 1 then aborts at once, whatever
+    # the timeout, so that case proves nothing about it.)
+    timeout = 3
+    bound = 4 * timeout + 10  # heartbeat period and error polling, on a loaded machine
+    run_dir = tmp_path / "mp"
+    long = ("train.steps=100000", "checkpoint.every=100000", "train.eval_every=0")
+    argv = cli_argv(run_dir, *long, f"distributed.heartbeat_timeout={timeout}")
+    with held_port() as port:
+        flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+        survivor, victim = (cli([*argv, *flags, i], devices=2) for i in ("0", "1"))
+        try:
+            deadline = time.monotonic() + 120  # a hang guard for the start-up
+            while _logged_steps(run_dir) < 3 and time.monotonic() < deadline:
+                assert survivor.poll() is None and victim.poll() is None, survivor.communicate()
+                time.sleep(0.05)
+            victim.kill()
+            victim.communicate()
+            killed_at = time.monotonic()
+            try:
+                out = survivor.communicate(timeout=bound)[0]
+            except subprocess.TimeoutExpired:
+                survivor.kill()
+                survivor.communicate()
+                pytest.fail(
+                    f"process 0 still ran {bound} s after process 1 was SIGKILLed "
+                    f"(distributed.heartbeat_timeout={timeout})"
+                )
+            waited = time.monotonic() - killed_at
+        finally:
+            for p in (survivor, victim):
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    assert _logged_steps(run_dir) >= 3, "the run never reached step 3"
+    assert survivor.returncode != 0 and waited < bound, (survivor.returncode, waited, out)
+    assert "tasks are unhealthy (stopped sending heartbeats):\n1\n" in out, out
