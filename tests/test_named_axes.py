@@ -448,3 +448,44 @@ def test_readme_shard_map_example_runs() -> None:
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "rn.reversible_scan" in code and "assert rn.relative_error" in code
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102  (the README's own example)
+
+
+def _scan_loss(data_parallel: bool) -> Callable[..., Any]:
+    """``loss(ws, x, policy=...)``: a checkpointed scan over layers, in shard_map or not."""
+
+    def loss(ws: jax.Array, x: jax.Array, policy: Any = "none") -> jax.Array:
+        def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+            a = rn.name(jnp.tanh(h @ w), "a")
+            return rn.name(jnp.sin(a) * a, "b"), None
+
+        def local(ws: jax.Array, x: jax.Array) -> jax.Array:
+            body = layer if policy == "none" else rn.checkpoint(layer, policy=policy)
+            total = jnp.sum(_named_axes.scan(body, x, ws)[0] ** 2)
+            return jax.lax.psum(total, "data") if data_parallel else total
+
+        if not data_parallel:
+            return local(ws, x)
+        specs = (P(), P("data"))
+        return jax.shard_map(local, mesh=_mesh((2,), ("data",)), in_specs=specs, out_specs=P())(
+            ws, x
+        )
+
+    return loss
+
+
+def test_memory_tools_on_a_shard_map_step() -> None:
+    """rn.memory_report names the residuals inside a shard_map (global shapes: the named ones
+    as without it), and rn.plan_for_budget / rn.explain_peak plan and explain the per-device
+    program of a step whose arguments are uncommitted arrays."""
+    ws, x = _normal(0, (4, 16, 16), 0.3), _normal(1, (32, 16))
+    sharded, single = _scan_loss(True), _scan_loss(False)
+    named = lambda f: {  # noqa: E731
+        r.name: r.nbytes for r in rn.memory_report(f, ws, x).residuals if r.kind == "named"
+    }
+    assert named(sharded) == named(single) and "a" in named(single)
+
+    report = rn.plan_for_budget(sharded, ws, x, budget=0.5, measure=False)
+    assert report.compiled_temp_bytes <= report.budget_bytes < report.no_remat_temp_bytes
+    peak = report.peak()  # the chosen plan's step compiled again from the arguments' shapes
+    assert peak is not None and peak.difference == 0
+    assert "largest temp buffers" in str(report)
