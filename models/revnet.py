@@ -281,7 +281,7 @@ def _call(unit: fnn.Module, x: jax.Array) -> jax.Array:
 
 def _call_fwd(unit: fnn.Module, x: jax.Array) -> tuple[jax.Array, Any]:
     # The VJP of the rematerialized unit keeps what its policy saves (its input, for "full").
-    return fnn.vjp(_call, unit, x)
+    return fnn.vjp(_call, unit, x, vjp_variables=True)
 
 
 def _call_bwd(vjp_fn: Any, dy: jax.Array) -> Any:
@@ -308,8 +308,12 @@ def _unit(
     # which jax_custom_vjp3 refuses.
     if plan is None or parent.is_initializing():
         return cls(*args, name=name)(x)
-    unit = rnn.remat(cls, policy=plan, prevent_cse=False)(*args, name=name)
-    return fnn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd)(unit, x)
+    # The custom_vjp may close over no tracer (jax_custom_vjp3 refuses one): every collection is
+    # its input (BatchNorm reads its running statistics in training), and the units draw no
+    # random numbers, so the remat lifts no PRNG key (the trainer passes a dropout key).
+    unit = rnn.remat(cls, policy=plan, prevent_cse=False, rngs=False)(*args, name=name)
+    vjp = fnn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd, grad_vars=True)
+    return vjp(unit, x)
 
 
 def _first_scanned(arch: Arch, stage: int) -> int:

@@ -140,7 +140,8 @@ def _producer(jaxpr: Any, v: Any) -> Any:
     """The equation producing ``v``; for a scan / call output, the one inside its body."""
     eqn = next(e for e in jaxpr.eqns for o in e.outvars if o is v)
     sub = eqn.params.get("jaxpr")
-    if eqn.primitive.name in ("scan", "pjit", "jit", "closed_call") and sub is not None:
+    calls = ("scan", "pjit", "jit", "closed_call", "shard_map")
+    if eqn.primitive.name in calls and sub is not None:
         body = getattr(sub, "jaxpr", sub)
         inner = _look_through(body, body.outvars[eqn.outvars.index(v)])
         if not isinstance(inner, core.Literal) and any(inner in e.outvars for e in body.eqns):
@@ -392,12 +393,19 @@ def compiled_memory(
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     out = _from_stats(m, float((cost or {}).get("flops", float("nan"))))
     # What was compiled, as shapes (rn.PeakReport.of compiles it again to explain the peak).
-    call = (fn, *_shapes((args, kwargs)), dict(jit_kwargs or {}))
+    call = (fn, *shapes_of((args, kwargs)), dict(jit_kwargs or {}))
     return dataclasses.replace(out, extra={**out.extra, "call": call})
 
 
-def _shapes(tree: Any) -> Any:
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+def shapes_of(tree: Any) -> Any:
+    """``tree`` with its arrays as ``jax.ShapeDtypeStruct`` (a committed array keeps its
+    sharding)."""
+
+    # An uncommitted array (jnp.ones) may go to any device: its default device's sharding would
+    # pin it there, which a shard_map over several devices inside fn refuses.
+    def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+
     return jax.tree.map(lambda x: spec(x) if isinstance(x, jax.Array) else x, tree)
 
 

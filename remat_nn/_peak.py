@@ -54,7 +54,7 @@ from remat_nn._jax_internals import (
     source_info_util,
     sub_jaxprs,
 )
-from remat_nn._memory import CompiledMemory, _from_stats, format_bytes
+from remat_nn._memory import CompiledMemory, _from_stats, format_bytes, shapes_of
 
 __all__ = ["Buffer", "PeakReport", "explain_peak"]
 
@@ -374,12 +374,7 @@ def explain_later(
 ) -> Callable[[], PeakReport]:
     """``explain_peak`` of these arguments, deferred; arrays are held as their shapes only."""
 
-    def spec(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-
-    args, kwargs = jax.tree.map(spec, (tuple(args), dict(kwargs)))
+    args, kwargs = shapes_of((tuple(args), dict(kwargs)))
     return lambda: explain_peak(fn, *args, jit_kwargs=jit_kwargs, **kwargs)
 
 

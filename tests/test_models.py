@@ -3,6 +3,7 @@ gradients, exactly the promised residuals), reversible gradients, RematBlock, th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as fnn
@@ -449,40 +450,78 @@ def test_flop_counter_counts_scan_length():
 
 # --- JAX's upgrade flags ------------------------------------------------------------------------
 
-# Small models (resnet / revnet: not here, their trace alone costs 15-20 s per flag setting).
-SMALL_MODELS = {
-    "nnx_revnet": (dict(width=4, depth=1, num_classes=3), (2, 8, 8, 1)),
-    "transformer": (TINY_LM, (2, 8)),
-    "transformer_reversible": (dict(TINY_LM, reversible=True), (2, 8)),
+_FULL = rn.plan({"default": "recompute"})
+# Every model family at a tiny size (name -> (constructor, input shape)): the CNNs are their
+# registered classes on a 3-stage arch, with the downsampling / residual units rematerialized
+# (``_unit``'s custom_vjp: the registry's default for a RevNet, ``remat: full`` for a ResNet).
+FLAG_MODELS = {
+    "resnet": (
+        lambda: rv.ResNet(rv.Arch((1, 1, 1), (4, 8, 8), 4, False), 3, remat=_FULL),
+        (2, 8, 8, 3),
+    ),
+    "revnet": (lambda: rv.RevNet(TINY_REVNET.scaled(0.5), 3, remat=_FULL), (2, 8, 8, 3)),
+    "nnx_revnet": (
+        lambda: models.build("nnx_revnet", width=4, depth=1, num_classes=3),
+        (2, 8, 8, 1),
+    ),
+    "transformer": (lambda: models.build("transformer", **TINY_LM), (2, 8)),
+    "transformer_reversible": (
+        lambda: models.build("transformer", **TINY_LM, reversible=True),
+        (2, 8),
+    ),
 }
 
 
-@pytest.mark.parametrize("name", list(SMALL_MODELS))
-def test_every_model_builds_and_trains_a_step_under_both_flag_settings(name, jax_upgrade_flags):
-    """Init and one SGD step traced (not compiled: what the flags change is what JAX stages;
-    the suite compiles these models elsewhere) under JAX's defaults and its upgrade flags.
+def _train_step(name: str, upgrade_flags: bool):
+    """Init and one jitted SGD step of FLAG_MODELS[name] (the step as the trainer's: variables,
+    batch and dropout key are arguments) with JAX's upgrade flags on or off: (loss, gradients,
+    new variables), computed."""
+    flags = ("jax_remat3", "jax_custom_vjp3")
+    before = {flag: getattr(jax.config, flag) for flag in flags}
+    for flag in flags:
+        jax.config.update(flag, upgrade_flags)
+    try:
+        make, shape = FLAG_MODELS[name]
+        model = make()
+        lm = name.startswith("transformer")
+        if lm:
+            x = jax.random.randint(jax.random.key(1), shape, 0, TINY_LM["vocab_size"])
+        else:
+            x = jax.random.normal(jax.random.key(1), shape)
+        variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(0), x)
 
-    Under jax_remat3 a checkpoint_name inside a vmap (the reversible transformer's layers are
-    initialised with nn.vmap) needs the batching rule remat_nn._jax_internals registers.
+        @jax.jit
+        def step(variables, x, key):
+            def loss(params):
+                v = {**variables, "params": params}
+                out, upd = model.apply(
+                    v, x, train=True, rngs={"dropout": key}, mutable=["batch_stats"]
+                )
+                return jnp.mean(jax.nn.log_softmax(out)[..., 0]), {**variables, **upd}
+
+            (value, new), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
+            new["params"] = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], grads)
+            return value, grads, new
+
+        return step(variables, x, jax.random.key(2))
+    finally:
+        for flag, value in before.items():
+            jax.config.update(flag, value)
+
+
+@pytest.mark.parametrize("name", list(FLAG_MODELS))
+def test_every_model_trains_a_step_with_the_same_gradient_under_jax_upgrade_flags(name):
+    """Init and one compiled SGD step under ``jax_remat3`` + ``jax_custom_vjp3`` give the
+    gradients and updated variables of JAX's defaults.
+
+    Under jax_custom_vjp3 a custom_vjp may not close over a tracer: the CNNs' rematerialized
+    units pass their BatchNorm statistics to flax's custom_vjp as inputs. Under jax_remat3 a
+    checkpoint_name inside a vmap (the reversible transformer's layers are initialised with
+    nn.vmap) needs the batching rule remat_nn._jax_internals registers.
     """
-    options, shape = SMALL_MODELS[name]
-    model = models.build(name.removesuffix("_reversible"), **options)
-    lm = name.startswith("transformer")
-    x = jnp.zeros(shape, jnp.int32 if lm else jnp.float32)
-    kw = {} if lm else {"train": False}
-    variables = jax.eval_shape(lambda key: model.init(key, x, **kw), jax.random.key(0))
-
-    def step(variables):
-        def loss(params):
-            if lm:
-                return lm_loss(model, x, train=True)(params), variables
-            v = {**variables, "params": params}
-            logits, upd = model.apply(v, x, train=True, mutable=["batch_stats"])
-            return jnp.mean(jax.nn.log_softmax(logits)[:, 0]), {**variables, **upd}
-
-        (value, new), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
-        params = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], grads)
-        return value, {**new, "params": params}
-
-    value, trained = jax.eval_shape(step, variables)
-    assert value.shape == () and jax.tree.structure(trained) == jax.tree.structure(variables)
+    value, grads, new = _train_step(name, upgrade_flags=False)
+    value_up, grads_up, new_up = _train_step(name, upgrade_flags=True)
+    assert jax.tree.structure(new_up) == jax.tree.structure(new)
+    assert abs(float(value_up - value)) <= 1e-6 * abs(float(value))
+    assert rel_err(grads_up, grads) <= 1e-5
+    assert rel_err(new_up, new) <= 1e-5  # the BatchNorm statistics included

@@ -10,15 +10,18 @@ error), and the BatchNorm running averages of the forward pass where the path ha
 
 Contexts: ``plain`` (op by op), ``jit``, ``vmap`` (per-example gradients, the batch a vmapped
 axis named ``data``), ``vmap_sum`` (the gradient of the batch's loss summed over that vmapped
-axis), ``shard_map`` (2 devices, parameters replicated ``P()``, batch ``P("data")``),
-``shard_map_2d`` (a 2 x 2 mesh: parameters varying over ``model``, replicated over ``data``),
-``grad_of_grad`` (a Hessian-vector product).
+axis), ``shard_map`` (a 2 x 2 mesh: parameters replicated ``P()``, batch ``P("data")``, the
+``model`` axis unused), ``shard_map_2d`` (the same mesh: parameters varying over ``model``,
+replicated over ``data``), ``grad_of_grad`` (a Hessian-vector product). Every cell runs but the
+ones :func:`not_applicable` names; the smallest shapes that still run each mechanism keep the
+whole matrix cheap (one compile per cell: the path and its twin in one jit).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,11 +226,13 @@ def _custom_ivjp() -> Case:
 
 
 def _revnet() -> Case:
-    rev = rv.RevNet(rv.Arch((2, 1, 1), (8, 16, 16), 8, bottleneck=False), num_classes=3)
+    # The registry's RevNet: downsampling units rematerialized by models.revnet's custom_vjp.
+    arch = rv.Arch((2, 1, 1), (8, 16, 16), 8, bottleneck=False)
+    rev = rv.RevNet(arch, num_classes=3, remat=rn.plan({"default": "recompute"}))
     x = _normal(2, (B, 8, 8, 3))
     v = random_variables(jax.eval_shape(rev.init, jax.random.key(0), x))
     run = _linen(rev, x, train=True)
-    plain = rev.clone(reversible=False)
+    plain = rev.clone(reversible=False, remat=None)
     return Case(run(rev), run(plain), v["params"], x, v["batch_stats"], floor=1e-2)
 
 
@@ -282,6 +287,8 @@ def _case(path: str) -> Case:
 
 
 # --- contexts -------------------------------------------------------------------------------------
+# A context maps ``fn`` and the case's ``(params, stats, x)`` to ``((dparams, dx), new_stats)``;
+# each is traced inside one jit that holds the path and its twin (one compile per cell).
 
 
 def _grads(fn: Callable[..., Any], x: Any) -> Callable[..., Any]:
@@ -300,11 +307,18 @@ def _per_example(x: Any) -> Any:
     return jax.tree.map(lambda a: a[:, None], x)  # (B, 1, ...): one example per vmapped index
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+@functools.cache
+def _mesh() -> jax.sharding.Mesh:
+    """One 2 x 2 mesh for both shard_map contexts (the data-parallel one leaves ``model``
+    unused: every value is replicated over it)."""
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _shard_map(fn: Callable[..., Any], c: Case) -> Any:
+def _jit(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
+    return _grads(fn, c.x)(params, stats, x)
+
+
+def _shard_map(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
     def local(params: Any, stats: Any, x: Any) -> Any:
         def loss(p: Any, s: Any, x: Any) -> Any:
             value, new = fn(p, s, x)
@@ -315,14 +329,13 @@ def _shard_map(fn: Callable[..., Any], c: Case) -> Any:
 
     specs = (P(), P(), P("data"))
     out = ((P(), P("data")), P())
-    run = jax.shard_map(local, mesh=_mesh((2,), ("data",)), in_specs=specs, out_specs=out)
-    return jax.jit(run)(c.params, c.stats, c.x)
+    return jax.shard_map(local, mesh=_mesh(), in_specs=specs, out_specs=out)(params, stats, x)
 
 
-def _shard_map_2d(fn: Callable[..., Any], c: Case) -> Any:
+def _shard_map_2d(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
     """Parameters stacked over ``model`` (each model index its own copy), batch over ``data``:
     a parameter cotangent is summed over ``data`` only, the input's over ``model`` only."""
-    copies = jax.tree.map(lambda a: jnp.stack([a, 0.9 * a]), c.params)  # (2, ...)
+    copies = jax.tree.map(lambda a: jnp.stack([a, 0.9 * a]), params)  # (2, ...)
 
     def local(params: Any, stats: Any, x: Any) -> Any:
         def loss(p: Any, s: Any, x: Any) -> Any:
@@ -336,44 +349,39 @@ def _shard_map_2d(fn: Callable[..., Any], c: Case) -> Any:
 
     specs = (P("model"), P(), P("data"))
     out = ((P("model"), P("data")), P("model"))
-    mesh = _mesh((2, 2), ("data", "model"))
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out))(
-        copies, c.stats, c.x
-    )
+    return jax.shard_map(local, mesh=_mesh(), in_specs=specs, out_specs=out)(copies, stats, x)
 
 
-def _vmap(fn: Callable[..., Any], c: Case) -> Any:
-    def run(params: Any, stats: Any, x: Any) -> Any:
-        per_example = jax.vmap(_grads(fn, c.x), in_axes=(None, None, 0), axis_name="data")
-        grads, new = per_example(params, stats, x)
-        return grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), new)
-
-    return jax.jit(run)(c.params, c.stats, _per_example(c.x))
+def _vmap(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
+    per_example = jax.vmap(_grads(fn, c.x), in_axes=(None, None, 0), axis_name="data")
+    grads, new = per_example(params, stats, _per_example(x))
+    return grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), new)
 
 
-def _vmap_sum(fn: Callable[..., Any], c: Case) -> Any:
+def _vmap_sum(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
     def total(params: Any, stats: Any, x: Any) -> Any:
         values, new = jax.vmap(fn, in_axes=(None, None, 0), axis_name="data")(params, stats, x)
         return jnp.sum(values), jax.tree.map(lambda a: jnp.mean(a, axis=0), new)
 
     # The input's cotangent of a per-example batch (B, 1, ...) compared as is.
-    return jax.jit(_grads(total, c.x))(c.params, c.stats, _per_example(c.x))
+    return _grads(total, c.x)(params, stats, _per_example(x))
 
 
-def _grad_of_grad(fn: Callable[..., Any], c: Case) -> Any:
-    tangent = jax.tree.map(jnp.cos, c.params)  # a fixed direction
+def _grad_of_grad(fn: Callable[..., Any], c: Case, params: Any, stats: Any, x: Any) -> Any:
+    tangent = jax.tree.map(jnp.cos, params)  # a fixed direction
 
     def hvp(params: Any) -> Any:
-        (dp, _), _ = _grads(fn, c.x)(params, c.stats, c.x)
+        (dp, _), _ = _grads(fn, c.x)(params, stats, x)
         pairs = zip(jax.tree.leaves(dp), jax.tree.leaves(tangent), strict=True)
         return sum(jnp.vdot(a, t) for a, t in pairs)
 
-    return (jax.jit(jax.grad(hvp))(c.params), None), c.stats
+    return (jax.grad(hvp)(params), None), stats
 
 
-CONTEXTS: dict[str, Callable[[Callable[..., Any], Case], Any]] = {
-    "plain": lambda fn, c: _grads(fn, c.x)(c.params, c.stats, c.x),
-    "jit": lambda fn, c: jax.jit(_grads(fn, c.x))(c.params, c.stats, c.x),
+# "plain" runs op by op and is compared with the jit cell's reference (the same function).
+CONTEXTS: dict[str, Callable[..., Any]] = {
+    "plain": _jit,
+    "jit": _jit,
     "vmap": _vmap,
     "vmap_sum": _vmap_sum,
     "shard_map": _shard_map,
@@ -381,11 +389,9 @@ CONTEXTS: dict[str, Callable[[Callable[..., Any], Case], Any]] = {
     "grad_of_grad": _grad_of_grad,
 }
 
-# Cells that are not run, and why: a BatchNorm over the axis "data" needs that axis bound.
-UNBOUND = {"plain", "jit", "grad_of_grad"}
 # Second derivatives: a reversible backward is not itself reconstructed (jax.custom_vjp
 # differentiates the backward by plain autodiff, which holds its activations), and a model
-# with BatchNorm in training mode has no second-order use here. Run for the core paths only.
+# with BatchNorm in training mode has no second-order use here.
 SECOND_ORDER = {
     "checkpoint_policy",
     "checkpoint_plan",
@@ -400,10 +406,21 @@ SECOND_ORDER = {
 }
 
 
-# Suite time: the models run in shard_map only (every other context is carried by the paths they
-# are built from), and the variants of a path in the contexts that change their carries' and
-# cotangents' types (the base path runs everywhere).
-REDUCED = {
+def not_applicable(path: str, context: str) -> str | None:
+    """Why a cell of the matrix has no meaning, or None: the cells that are not run."""
+    if _case(path).axis and context in ("plain", "jit", "grad_of_grad"):
+        return "BatchNorm(axis_name='data') needs the axis 'data' bound (vmap or shard_map)"
+    if context == "grad_of_grad" and path not in SECOND_ORDER:
+        return "no second derivative: a custom_vjp backward or BatchNorm in training mode"
+    return None
+
+
+# The suite runs every path in the contexts that change its carries' and cotangents' types, the
+# models in shard_map only; REMAT_NN_FULL_MATRIX=1 runs every applicable cell. The whole matrix
+# exceeds this file's share of the suite's time: a model cell traces and compiles a flax model
+# and its twin, and the variants of a path repeat its base path's cells.
+FULL_MATRIX = os.environ.get("REMAT_NN_FULL_MATRIX") == "1"
+SUITE = {
     "revnet": {"shard_map"},
     "nnx_revnet": {"shard_map"},
     "transformer_reversible": {"shard_map"},
@@ -414,19 +431,36 @@ REDUCED = {
 }
 
 
+@functools.cache
+def _reference(path: str) -> Any:
+    """The jit cell's plain-autodiff twin, shared with the plain cell."""
+    c = _case(path)
+    return jax.jit(functools.partial(_jit, c.ref, c))(c.params, c.stats, c.x)
+
+
+def _run(path: str, context: str) -> tuple[Any, Any]:
+    """(the path's result, its twin's) in ``context``."""
+    c, run = _case(path), CONTEXTS[context]
+    if context == "plain":
+        return run(c.fn, c, c.params, c.stats, c.x), _reference(path)
+    if context == "jit":
+        return jax.jit(functools.partial(run, c.fn, c))(c.params, c.stats, c.x), _reference(path)
+
+    def both(params: Any, stats: Any, x: Any) -> Any:
+        return run(c.fn, c, params, stats, x), run(c.ref, c, params, stats, x)
+
+    return jax.jit(both)(c.params, c.stats, c.x)
+
+
 @pytest.mark.parametrize("context", list(CONTEXTS))
 @pytest.mark.parametrize("path", list(PATHS))
 def test_gradient_equals_plain_autodiff(path: str, context: str) -> None:
-    if context not in REDUCED.get(path, CONTEXTS):
-        pytest.skip(f"{path}: run in {sorted(REDUCED[path])} only (suite time)")
+    if (reason := not_applicable(path, context)) is not None:
+        pytest.skip(reason)
+    if not FULL_MATRIX and context not in SUITE.get(path, CONTEXTS):
+        pytest.skip(f"{path} in {context}: run with REMAT_NN_FULL_MATRIX=1 (suite time)")
     c = _case(path)
-    if c.axis and context in UNBOUND:
-        pytest.skip("BatchNorm(axis_name='data') needs the axis 'data' bound (vmap or shard_map)")
-    if context == "grad_of_grad" and path not in SECOND_ORDER:
-        pytest.skip("second derivatives checked on the core paths only")
-    run = CONTEXTS[context]
-    (got, got_dx), got_stats = run(c.fn, c)
-    (want, want_dx), want_stats = run(c.ref, c)
+    ((got, got_dx), got_stats), ((want, want_dx), want_stats) = _run(path, context)
     assert rel_err(got, want, floor=c.floor) < TOL, (path, context)
     if want_dx is not None:
         assert rel_err(got_dx, want_dx, floor=c.floor) < TOL, (path, context)
@@ -448,3 +482,42 @@ def test_readme_shard_map_example_runs() -> None:
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "rn.reversible_scan" in code and "assert rn.relative_error" in code
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102  (the README's own example)
+
+
+def _scan_loss(data_parallel: bool) -> Callable[..., Any]:
+    """``loss(ws, x, policy=...)``: a checkpointed scan over layers, in shard_map or not."""
+
+    def loss(ws: jax.Array, x: jax.Array, policy: Any = "none") -> jax.Array:
+        def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+            a = rn.name(jnp.tanh(h @ w), "a")
+            return rn.name(jnp.sin(a) * a, "b"), None
+
+        def local(ws: jax.Array, x: jax.Array) -> jax.Array:
+            body = layer if policy == "none" else rn.checkpoint(layer, policy=policy)
+            total = jnp.sum(_named_axes.scan(body, x, ws)[0] ** 2)
+            return jax.lax.psum(total, "data") if data_parallel else total
+
+        if not data_parallel:
+            return local(ws, x)
+        specs = (P(), P("data"))
+        return jax.shard_map(local, mesh=_mesh(), in_specs=specs, out_specs=P())(ws, x)
+
+    return loss
+
+
+def test_memory_tools_on_a_shard_map_step() -> None:
+    """rn.memory_report names the residuals inside a shard_map (global shapes: the named ones
+    as without it), and rn.plan_for_budget / rn.explain_peak plan and explain the per-device
+    program of a step whose arguments are uncommitted arrays."""
+    ws, x = _normal(0, (4, 16, 16), 0.3), _normal(1, (32, 16))
+    sharded, single = _scan_loss(True), _scan_loss(False)
+    named = lambda f: {  # noqa: E731
+        r.name: r.nbytes for r in rn.memory_report(f, ws, x).residuals if r.kind == "named"
+    }
+    assert named(sharded) == named(single) and "a" in named(single)
+
+    report = rn.plan_for_budget(sharded, ws, x, budget=0.5, measure=False)
+    assert report.compiled_temp_bytes <= report.budget_bytes < report.no_remat_temp_bytes
+    peak = report.peak()  # the chosen plan's step compiled again from the arguments' shapes
+    assert peak is not None and peak.difference == 0
+    assert "largest temp buffers" in str(report)
