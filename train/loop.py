@@ -49,6 +49,7 @@ import models
 from remat_nn._memory import format_bytes
 from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
+from train import fused as fused_lib
 from train import losses as losses_lib
 from train import remat as remat_lib
 from train import sharding as sharding_lib
@@ -414,16 +415,19 @@ def build_experiment(
     )
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
-    step_fn = state_lib.make_train_step(
-        model,
-        tx,
-        schedule,
-        compute_dtype=compute_dtype,
-        has_batch_stats=has_bn,
-        skip_nonfinite=cfg.train.on_nonfinite == "skip",
-        grad_accum=cfg.train.grad_accum,
-        loss=loss,
-    )
+    if cfg.train.update_in_backward:
+        step_fn = fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
+    else:
+        step_fn = state_lib.make_train_step(
+            model,
+            tx,
+            schedule,
+            compute_dtype=compute_dtype,
+            has_batch_stats=has_bn,
+            skip_nonfinite=cfg.train.on_nonfinite == "skip",
+            grad_accum=cfg.train.grad_accum,
+            loss=loss,
+        )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()
