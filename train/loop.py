@@ -415,19 +415,18 @@ def build_experiment(
     )
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
-    if cfg.train.update_in_backward:
+    step_fn = state_lib.make_train_step(
+        model,
+        tx,
+        schedule,
+        compute_dtype=compute_dtype,
+        has_batch_stats=has_bn,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip",
+        grad_accum=cfg.train.grad_accum,
+        loss=loss,
+    )
+    if cfg.train.update_in_backward:  # the same state, updated layer by layer in the backward
         step_fn = fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
-    else:
-        step_fn = state_lib.make_train_step(
-            model,
-            tx,
-            schedule,
-            compute_dtype=compute_dtype,
-            has_batch_stats=has_bn,
-            skip_nonfinite=cfg.train.on_nonfinite == "skip",
-            grad_accum=cfg.train.grad_accum,
-            loss=loss,
-        )
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()
