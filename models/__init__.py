@@ -55,6 +55,7 @@ import pydantic
 
 __all__ = [
     "REGISTRY",
+    "LayerStack",
     "ModelSpec",
     "MODULE_REMAT_PRESETS",
     "ModuleError",
@@ -64,6 +65,26 @@ __all__ = [
     "register",
     "remat_option",
 ]
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A built model as ``head(rest, scan(layer, embed(rest, x), params[key]))``.
+
+    What the trainer's ``train.update_in_backward`` needs (:func:`remat_nn.fused_update_step`):
+    the same computation as ``module.apply`` in three parts, each taking float32 parameters.
+
+    Attributes:
+      key: the parameters' key of the stacked layers (leading layer axis on every leaf).
+      embed: ``(rest, x) -> h``, the first layer's input; ``rest`` is the parameters but ``key``.
+      layer: ``(layer_params, h) -> h``, one layer under the model's remat plan.
+      head: ``(rest, h) -> outputs``, what ``module.apply`` returns.
+    """
+
+    key: str
+    embed: Callable[[Any, Any], Any]
+    layer: Callable[[Any, Any], Any]
+    head: Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,9 @@ class ModelSpec:
         are the schema's). A form may change the parameters: each is planned on its own state.
         An override that sets ``remat`` fixes the form's plan (the planner's plan does not
         apply to it, e.g. reversible blocks keep nothing per layer). None: no other forms.
+      layer_stack: ``layer_stack(module) -> LayerStack`` for a built module, or a ValueError
+        saying why that module is not a plain stack of layers (e.g. unscanned blocks); None:
+        the model has no layer stack.
     """
 
     build: Callable[..., fnn.Module]
@@ -95,6 +119,7 @@ class ModelSpec:
     doc: str = ""
     remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
+    layer_stack: Callable[[fnn.Module], LayerStack] | None = None
 
 
 REGISTRY: dict[str, ModelSpec] = {}

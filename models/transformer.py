@@ -39,7 +39,15 @@ import remat_nn as rn
 from remat_nn import names
 from remat_nn import nn as rnn
 
-__all__ = ["REMAT_PRESETS", "Block", "Transformer", "TransformerOptions", "build", "remat_plan"]
+__all__ = [
+    "REMAT_PRESETS",
+    "Block",
+    "Transformer",
+    "TransformerOptions",
+    "build",
+    "layer_stack",
+    "remat_plan",
+]
 
 _QKV = (names.QUERY_PROJ, names.KEY_PROJ, names.VALUE_PROJ)
 # The per-token projections (outputs of the weight matmuls that the backward pass reads). The
@@ -566,6 +574,67 @@ def variants(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def layer_stack(module: Transformer) -> models.LayerStack:
+    """The scanned transformer as embedding, a stack of blocks (``params["blocks"]``) and head.
+
+    The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
+    update inside the backward pass (:func:`remat_nn.fused_update_step`): each block under the
+    model's remat plan.
+
+    Raises:
+      ValueError: the blocks are not one ``nn.scan`` of blocks (``scan_layers=false``,
+        ``scan_levels``, ``reversible``), or dropout draws per-layer random numbers.
+
+    >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
+    >>> tokens = jnp.zeros((2, 4), jnp.int32)
+    >>> params = m.init(jax.random.key(0), tokens)["params"]
+    >>> parts = layer_stack(m)
+    >>> rest = {k: v for k, v in params.items() if k != parts.key}
+    >>> h, _ = jax.lax.scan(lambda h, p: (parts.layer(p, h), None), parts.embed(rest, tokens),
+    ...                     params[parts.key])
+    >>> bool(jnp.array_equal(parts.head(rest, h), m.apply({"params": params}, tokens)))
+    True
+    """
+    o = module
+    why = (
+        "reversible=true (couplings, not a scan of blocks)"
+        if o.reversible
+        else "scan_layers=false (one parameter tree per block, no stack)"
+        if not o.scan_layers
+        else f"scan_levels={o.scan_levels} (a nested scan)"
+        if o.scan_levels is not None
+        else f"dropout={o.dropout} (nn.scan draws each block's dropout mask)"
+        if o.dropout
+        else None
+    )
+    if why is not None:
+        raise ValueError(
+            f"transformer: the optimizer update inside the backward pass needs the blocks as one "
+            f"scan of blocks without dropout, but the model has {why}. Fix: scan_layers=true, "
+            "reversible=false, scan_levels=null, dropout=0."
+        )
+    block_cls = Block if o.remat is None else rnn.remat(Block, policy=o.remat, prevent_cse=False)
+    block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
+    wte = fnn.Embed(o.vocab_size, o.d_model)
+
+    def embed(rest: Any, tokens: jax.Array) -> jax.Array:
+        _, t = tokens.shape
+        x = wte.apply({"params": rest["wte"]}, tokens).astype(o.dtype)  # (B, T, D)
+        if o.position == "learned":
+            wpe = fnn.Embed(o.max_len, o.d_model).apply({"params": rest["wpe"]}, jnp.arange(t))
+            x = x + wpe[None].astype(o.dtype)  # (1, T, D) broadcast over B
+        return x
+
+    def layer(params: Any, x: jax.Array) -> jax.Array:
+        return block.apply({"params": params}, x)[0]
+
+    def head(rest: Any, x: jax.Array) -> jax.Array:
+        x = fnn.LayerNorm(dtype=jnp.float32).apply({"params": rest["ln_f"]}, x)  # (B, T, D)
+        return wte.apply({"params": rest["wte"]}, x, method="attend")  # (B, T, V)
+
+    return models.LayerStack("blocks", embed, layer, head)
+
+
 models.register(
     "transformer",
     models.ModelSpec(
@@ -575,5 +644,6 @@ models.register(
         doc="GPT-style decoder LM with named activations, remat presets, scan and reversible",
         remat_presets=REMAT_PRESETS,
         variants=variants,
+        layer_stack=layer_stack,
     ),
 )

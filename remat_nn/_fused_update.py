@@ -52,13 +52,18 @@ class FusedUpdateError(RematNNError, ValueError):
 def fused_update_step(
     embed_fn: Callable[[Any, Any], jax.Array],
     layer_fn: Callable[[Any, jax.Array], jax.Array],
-    head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    head_fn: Callable[[Any, jax.Array, Any], Any],
     optimizer: optax.GradientTransformation,
-) -> Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]:
+    *,
+    stack_key: str | None = None,
+    has_aux: bool = False,
+    norms: bool = False,
+) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
     The model is ``head_fn(rest, scan(layer_fn, embed_fn(rest, batch), stack), batch) -> loss``
-    with ``params = (stack, rest)``: every leaf of ``stack`` has a leading layer axis. The step's
+    with ``params = (stack, rest)`` (or, with ``stack_key``, a dict holding the stack at that key
+    and ``rest`` = the other keys): every leaf of ``stack`` has a leading layer axis. The step's
     backward recomputes one layer at a time from its saved input (remat per layer), takes that
     layer's VJP, updates that layer's parameters and optimizer state in place, and moves on; the
     parameters in ``rest`` (embeddings, head, norms outside the stack) are updated at the end.
@@ -72,12 +77,21 @@ def fused_update_step(
     Args:
       embed_fn: ``(rest, batch) -> h``, the input of the first layer.
       layer_fn: ``(layer_params, h) -> h``, one layer; ``layer_params`` is one slice of ``stack``.
-      head_fn: ``(rest, h, batch) -> loss``, a scalar loss from the last layer's output.
-      optimizer: an optax transformation; ``opt_state = optimizer.init((stack, rest))``.
+      head_fn: ``(rest, h, batch) -> loss``, a scalar loss from the last layer's output
+        (``(loss, aux)`` with ``has_aux``).
+      optimizer: an optax transformation; ``opt_state = optimizer.init(params)``.
+      stack_key: None: ``params`` is the pair ``(stack, rest)``; a string: ``params`` is a dict
+        and ``params[stack_key]`` is the stack (flax's parameters of an ``nn.scan`` named so).
+        The optimizer then sees one layer as ``{stack_key: layer}``: callable masks (weight
+        decay by path) see the same paths as on the whole parameters.
+      has_aux: ``head_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)`` as its loss.
+      norms: also return ``{"grad_norm", "update_norm"}``, the global norms of the gradient and
+        of the update (accumulated layer by layer: the full gradient still never exists).
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
-      update.
+      update (``(loss, aux)`` with ``has_aux``), and the norms' dict as a fourth element with
+      ``norms``.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> import remat_nn as rn
@@ -95,173 +109,238 @@ def fused_update_step(
     >>> params[0].shape
     (3, 4, 4)
     """
+    layout = _Layout(stack_key)
     checked: list[bool] = []
 
-    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        _check_params(params)
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+        layout.check(params)
         if not checked:
-            _check_element_wise(optimizer, params)
+            _check_element_wise(optimizer, params, layout)
             checked.append(True)
-        stack, rest = params
-        split = _split(opt_state, params)
+        stack, rest = layout.parts(params)
+        split = _split(opt_state, params, layout)
         h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
 
         def forward(h: jax.Array, layer: Any) -> tuple[jax.Array, jax.Array]:
             return layer_fn(layer, h), h
 
         h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape), layer inputs
-        loss, head_vjp = jax.vjp(lambda r, h: head_fn(r, h, batch), rest, h_last)
-        g_rest, dh = head_vjp(jnp.ones_like(loss))
-        stacks = _stack_halves(split)
-        stack, stacks, dh = _backward_update(layer_fn, optimizer, split, stack, stacks, inputs, dh)
+        if has_aux:
+            out, head_vjp, aux = jax.vjp(
+                lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
+            )
+        else:
+            out, head_vjp = jax.vjp(lambda r, h: head_fn(r, h, batch), rest, h_last)
+            aux = None
+        g_rest, dh = head_vjp(jnp.ones_like(out))
+        stacks = _stack_halves(split, layout)
+        stack, stacks, dh, sq = _backward_update(
+            layer_fn, optimizer, split, layout, stack, stacks, inputs, dh
+        )
         (g_embed,) = embed_vjp(dh)
         g_rest = jax.tree.map(jnp.add, g_rest, g_embed)
-        rest, opt_state = _update_rest(optimizer, split, stacks, rest, g_rest)
-        return (stack, rest), opt_state, loss
+        rest, opt_state, sq_rest = _update_rest(optimizer, split, layout, stacks, rest, g_rest)
+        value = (out, aux) if has_aux else out
+        new = (layout.join(stack, rest), opt_state, value)
+        if not norms:
+            return new
+        sq = jax.tree.map(jnp.add, sq, sq_rest)
+        return (*new, {"grad_norm": jnp.sqrt(sq[0]), "update_norm": jnp.sqrt(sq[1])})
 
     return step
 
 
-def _check_params(params: Any) -> None:
-    if not (isinstance(params, tuple) and len(params) == 2):
-        raise TypeError(
-            f"fused_update_step: params must be a pair (stack, rest), got {type(params).__name__}"
-            "; put the stacked layer parameters first and everything else second, e.g. "
-            "params = (variables['params']['layers'], other_params)."
-        )
-    leaves = jax.tree.leaves(params[0])
-    if not leaves or len({x.shape[:1] for x in leaves}) != 1 or leaves[0].ndim == 0:
-        shapes = [x.shape for x in leaves]
-        raise ValueError(
-            f"fused_update_step: every leaf of params[0] (the stack) needs the same leading "
-            f"layer axis, got shapes {shapes}; stack the layers with jax.tree.map(jnp.stack, ...) "
-            "or nn.scan's variable_axes={'params': 0}."
-        )
+class _Layout:
+    """Where the stack is in ``params``: ``params[key]`` (a dict), or ``params[0]`` of a pair.
+
+    ``join(stack, rest)`` puts a part back in its place; a part given as None is left out, so the
+    optimizer sees one layer as ``{key: layer}`` (or ``(layer, ())``) with the same paths as in
+    the whole parameters (masks given as callables on paths see the same names).
+    """
+
+    def __init__(self, key: str | None):
+        self.key = key
+
+    def parts(self, tree: Any) -> tuple[Any, Any]:
+        if self.key is None:
+            return tree[0], tree[1]
+        return tree.get(self.key), {k: v for k, v in tree.items() if k != self.key}
+
+    def join(self, stack: Any, rest: Any) -> Any:
+        if self.key is None:
+            return (() if stack is None else stack, () if rest is None else rest)
+        return {**(rest or {}), **({} if stack is None else {self.key: stack})}
+
+    def check(self, params: Any) -> None:
+        if self.key is None and not (isinstance(params, tuple) and len(params) == 2):
+            raise TypeError(
+                f"fused_update_step: params must be a pair (stack, rest), got "
+                f"{type(params).__name__}; put the stacked layer parameters first and everything "
+                "else second, e.g. params = (variables['params']['layers'], other_params), or "
+                "pass stack_key='layers' to keep the parameter dict as it is."
+            )
+        if self.key is not None and not (isinstance(params, dict) and self.key in params):
+            got = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise TypeError(
+                f"fused_update_step: stack_key={self.key!r} needs params to be a dict with that "
+                f"key, got {got}. Fix: stack_key= the key of the stacked layers (nn.scan's name)."
+            )
+        leaves = jax.tree.leaves(self.parts(params)[0])
+        if not leaves or len({x.shape[:1] for x in leaves}) != 1 or leaves[0].ndim == 0:
+            shapes = [x.shape for x in leaves]
+            where = "params[0]" if self.key is None else f"params[{self.key!r}]"
+            raise ValueError(
+                f"fused_update_step: every leaf of {where} (the stack) needs the same leading "
+                f"layer axis, got shapes {shapes}; stack the layers with "
+                "jax.tree.map(jnp.stack, ...) or nn.scan's variable_axes={'params': 0}."
+            )
 
 
 # --- splitting the optimizer state: stack slices, rest, and per-step scalars ---------------------
 # An optax state mirrors the parameters wherever it holds per-parameter values (adam's mu and nu,
-# momentum's trace): such a node has the tree structure of ``(stack, rest)``. Per layer the step
-# calls ``optimizer.update`` on ``(layer_i, ())`` with each mirror node replaced by its slice
-# ``(m[0][i], ())``; the rest is updated on ``((), rest)``. Every other leaf (adam's ``count``,
-# schedules' step) is passed unchanged to every call and taken from the rest update, so it
-# advances exactly once per step.
+# momentum's trace): such a node has the tree structure of ``params``. Per layer the step calls
+# ``optimizer.update`` on ``join(layer_i, None)`` with each mirror node replaced by its slice
+# ``join(m_stack[i], None)``; the rest is updated on ``join(None, rest)``. Every other leaf
+# (adam's ``count``, schedules' step) is passed unchanged to every call and taken from the rest
+# update, so it advances exactly once per step.
 
 
 def _mirror_test(treedef: Any) -> Callable[[Any], bool]:
     def is_mirror(node: Any) -> bool:
-        return isinstance(node, tuple) and jax.tree.structure(node) == treedef
+        return isinstance(node, tuple | dict) and jax.tree.structure(node) == treedef
 
     return is_mirror
 
 
-def _split(opt_state: Any, params: Any) -> tuple[Any, list[Any], list[bool]]:
-    flat, treedef = jax.tree.flatten(opt_state, is_leaf=_mirror_test(jax.tree.structure(params)))
-    return treedef, flat, [_mirror_test(jax.tree.structure(params))(x) for x in flat]
+Split = tuple[Any, list[Any], list[bool]]
 
 
-def _stack_halves(split: tuple[Any, list[Any], list[bool]]) -> list[Any]:
+def _split(opt_state: Any, params: Any, layout: _Layout) -> Split:
+    del layout  # the mirrors are found by the structure of the whole parameters
+    is_mirror = _mirror_test(jax.tree.structure(params))
+    flat, treedef = jax.tree.flatten(opt_state, is_leaf=is_mirror)
+    return treedef, flat, [is_mirror(x) for x in flat]
+
+
+def _stack_halves(split: Split, layout: _Layout) -> list[Any]:
     _, flat, is_mirror = split
-    return [x[0] for x, m in zip(flat, is_mirror, strict=True) if m]
+    return [layout.parts(x)[0] for x, m in zip(flat, is_mirror, strict=True) if m]
 
 
 def _flatten_like(state: Any, params: Any) -> list[Any]:
     return jax.tree.flatten(state, is_leaf=_mirror_test(jax.tree.structure(params)))[0]
 
 
-def _state_for(
-    treedef: Any, flat: list[Any], is_mirror: list[bool], *, stacks: list[Any] | None
-) -> Any:
-    """The state of one layer (``stacks`` = its slices, ``(slice, ())``) or of the rest."""
+def _state_for(split: Split, layout: _Layout, *, stacks: list[Any] | None) -> Any:
+    """The state of one layer (``stacks`` = its slices) or, with None, of the rest."""
+    treedef, flat, is_mirror = split
     if stacks is None:
         return treedef.unflatten(
-            [((), x[1]) if m else x for x, m in zip(flat, is_mirror, strict=True)]
+            [
+                layout.join(None, layout.parts(x)[1]) if m else x
+                for x, m in zip(flat, is_mirror, strict=True)
+            ]
         )
     sliced = iter(stacks)
     return treedef.unflatten(
-        [(next(sliced), ()) if m else x for x, m in zip(flat, is_mirror, strict=True)]
+        [layout.join(next(sliced), None) if m else x for x, m in zip(flat, is_mirror, strict=True)]
     )
 
 
 def _backward_update(
     layer_fn: Callable[[Any, jax.Array], jax.Array],
     tx: optax.GradientTransformation,
-    split: tuple[Any, list[Any], list[bool]],
+    split: Split,
+    layout: _Layout,
     stack: Any,
     stacks: list[Any],
     inputs: jax.Array,
     dh: jax.Array,
-) -> tuple[Any, list[Any], jax.Array]:
-    """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice."""
+) -> tuple[Any, list[Any], jax.Array, tuple[jax.Array, jax.Array]]:
+    """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
 
-    def body(carry: tuple[Any, list[Any], jax.Array], i: jax.Array) -> Any:
-        stack, stacks, dh = carry
+    Also carries the squared norms of the gradients and of the updates taken so far.
+    """
+
+    def body(carry: Any, i: jax.Array) -> Any:
+        stack, stacks, dh, sq = carry
         layer = _read(stack, i)
         _, layer_vjp = jax.vjp(layer_fn, layer, _read(inputs, i))
         grad, dh = layer_vjp(dh)
-        stack, stacks = _update_slice(tx, split, stack, stacks, layer, grad, i)
-        return (stack, stacks, dh), None
+        stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
+        return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i)), None
 
     length = jax.tree.leaves(stack)[0].shape[0]
-    (stack, stacks, dh), _ = lax.scan(body, (stack, stacks, dh), jnp.arange(length), reverse=True)
-    return stack, stacks, dh
+    zero = jnp.zeros((), jnp.result_type(float))
+    (stack, stacks, dh, sq), _ = lax.scan(
+        body, (stack, stacks, dh, (zero, zero)), jnp.arange(length), reverse=True
+    )
+    return stack, stacks, dh, sq
 
 
 def _update_slice(
     tx: optax.GradientTransformation,
-    split: tuple[Any, list[Any], list[bool]],
+    split: Split,
+    layout: _Layout,
     stack: Any,
     stacks: list[Any],
     layer: Any,
     grad: Any,
     i: jax.Array | int,
-) -> tuple[Any, list[Any]]:
+) -> tuple[Any, list[Any], tuple[jax.Array, jax.Array]]:
     """Updates layer ``i`` of the parameter stack and of the state's stack halves."""
-    treedef, flat, is_mirror = split
 
-    def update(layer: Any, grad: Any, slices: list[Any]) -> tuple[Any, list[Any]]:
-        state_i = _state_for(treedef, flat, is_mirror, stacks=slices)
-        updates, new_state_i = tx.update((grad, ()), state_i, (layer, ()))
-        new_flat = _flatten_like(new_state_i, (layer, ()))
-        new_slices = [x[0] for x, m in zip(new_flat, is_mirror, strict=True) if m]
-        return _apply_updates(layer, _first(updates)), new_slices
+    def update(layer: Any, grad: Any, slices: list[Any]) -> Any:
+        state_i = _state_for(split, layout, stacks=slices)
+        updates, new_state_i = tx.update(layout.join(grad, None), state_i, layout.join(layer, None))
+        new_flat = _flatten_like(new_state_i, layout.join(layer, None))
+        new_slices = [layout.parts(x)[0] for x, m in zip(new_flat, split[2], strict=True) if m]
+        updates = layout.parts(updates)[0]
+        sq = (_squared_norm(grad), _squared_norm(updates))
+        return _apply_updates(layer, updates), new_slices, sq
 
     # The update runs as a branch of a conditional, whose operands are the old slices: XLA does
     # not fuse across it, so no read of an old slice is fused into a consumer scheduled after the
     # slice's write (which would make XLA copy the whole stack each iteration).
     operands = (layer, grad, [_read(s, i) for s in stacks])
-    new_layer, new_slices = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
+    new_layer, new_slices, sq = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
     stack = _write(stack, new_layer, i)
-    return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)]
+    return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)], sq
 
 
 def _update_rest(
     tx: optax.GradientTransformation,
-    split: tuple[Any, list[Any], list[bool]],
+    split: Split,
+    layout: _Layout,
     stacks: list[Any],
     rest: Any,
     g_rest: Any,
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, tuple[jax.Array, jax.Array]]:
     """Updates the non-stacked parameters; also advances the per-step scalars exactly once."""
-    treedef, flat, is_mirror = split
+    treedef, _, is_mirror = split
     updates, new_state = tx.update(
-        ((), g_rest), _state_for(treedef, flat, is_mirror, stacks=None), ((), rest)
+        layout.join(None, g_rest),
+        _state_for(split, layout, stacks=None),
+        layout.join(None, rest),
     )
-    rest = _apply_updates(rest, _second(updates))
+    updates = layout.parts(updates)[1]
+    sq = (_squared_norm(g_rest), _squared_norm(updates))
+    rest = _apply_updates(rest, updates)
     carried = iter(stacks)
-    new_flat = _flatten_like(new_state, ((), rest))
+    new_flat = _flatten_like(new_state, layout.join(None, rest))
     state = treedef.unflatten(
-        [(next(carried), x[1]) if m else x for x, m in zip(new_flat, is_mirror, strict=True)]
+        [
+            layout.join(next(carried), layout.parts(x)[1]) if m else x
+            for x, m in zip(new_flat, is_mirror, strict=True)
+        ]
     )
-    return rest, state
+    return rest, state, sq
 
 
-def _first(pair: Any) -> Any:
-    return pair[0]
-
-
-def _second(pair: Any) -> Any:
-    return pair[1]
+def _squared_norm(tree: Any) -> jax.Array:
+    dtype = jnp.result_type(float)  # float32, or float64 with jax_enable_x64
+    leaves = jax.tree.leaves(tree)
+    return sum((jnp.sum(jnp.square(x.astype(dtype))) for x in leaves), jnp.zeros((), dtype))
 
 
 def _read(stack: Any, i: jax.Array | int) -> Any:
@@ -304,7 +383,7 @@ def _transform_names(fn: Any, seen: set[int] | None = None) -> list[str]:
     return names
 
 
-def _check_element_wise(tx: optax.GradientTransformation, params: Any) -> None:
+def _check_element_wise(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> None:
     names = " ".join(_transform_names(tx.update))
     for name, alternative in _WHOLE_GRADIENT.items():
         if name in names:
@@ -315,7 +394,7 @@ def _check_element_wise(tx: optax.GradientTransformation, params: Any) -> None:
             )
     try:
         with jax.ensure_compile_time_eval():  # the step may be being traced: probe eagerly
-            err = _probe(tx, params)
+            err = _probe(tx, params, layout)
     except Exception as e:  # noqa: BLE001 -- any failure of the split update is a refusal
         raise FusedUpdateError(
             f"fused_update_step: optimizer {names.split()[0]} cannot be applied to one layer's "
@@ -333,16 +412,16 @@ def _check_element_wise(tx: optax.GradientTransformation, params: Any) -> None:
         )
 
 
-def _probe(tx: optax.GradientTransformation, params: Any) -> float:
+def _probe(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> float:
     rng = np.random.default_rng(0)
 
     def small(x: jax.Array, lead: int = 0) -> np.ndarray:
         shape = x.shape[:lead] + tuple(min(d, 3) for d in x.shape[lead:])
         return rng.standard_normal(shape).astype(np.float32)
 
-    stack, rest = params
+    stack, rest = layout.parts(params)
     length = min(jax.tree.leaves(stack)[0].shape[0], 3)
-    p = (jax.tree.map(lambda x: small(x[:length], 1), stack), jax.tree.map(small, rest))
+    p = layout.join(jax.tree.map(lambda x: small(x[:length], 1), stack), jax.tree.map(small, rest))
     whole_state = split_state = tx.init(p)
     whole_p = split_p = p
     err = 0.0
@@ -350,7 +429,7 @@ def _probe(tx: optax.GradientTransformation, params: Any) -> float:
         g = jax.tree.map(lambda x: 1e3 * rng.standard_normal(x.shape).astype(np.float32), p)
         u, whole_state = tx.update(g, whole_state, whole_p)
         whole_p = _apply_updates(whole_p, u)
-        split_p, split_state = _split_update(tx, split_p, split_state, g)
+        split_p, split_state = _split_update(tx, layout, split_p, split_state, g)
         for a, b in zip(
             jax.tree.leaves((split_p, split_state)),
             jax.tree.leaves((whole_p, whole_state)),
@@ -367,16 +446,18 @@ def _probe(tx: optax.GradientTransformation, params: Any) -> float:
     return err
 
 
-def _split_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any) -> Any:
+def _split_update(
+    tx: optax.GradientTransformation, layout: _Layout, params: Any, opt_state: Any, grads: Any
+) -> Any:
     """The fused step's update order, eagerly: each layer's slice, then the rest."""
-    (stack, rest), (g_stack, g_rest) = params, grads
-    split = _split(opt_state, params)
-    stacks = _stack_halves(split)
+    (stack, rest), (g_stack, g_rest) = layout.parts(params), layout.parts(grads)
+    split = _split(opt_state, params, layout)
+    stacks = _stack_halves(split, layout)
     for i in reversed(range(jax.tree.leaves(stack)[0].shape[0])):
         layer, grad = _read(stack, i), _read(g_stack, i)
-        stack, stacks = _update_slice(tx, split, stack, stacks, layer, grad, i)
-    rest, state = _update_rest(tx, split, stacks, rest, g_rest)
-    return (stack, rest), state
+        stack, stacks, _ = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
+    rest, state, _ = _update_rest(tx, split, layout, stacks, rest, g_rest)
+    return layout.join(stack, rest), state
 
 
 def _apply_updates(params: Any, updates: Any) -> Any:

@@ -154,3 +154,38 @@ def test_donated_step_has_no_gradient_stack_in_temp():
         a.nbytes for a in jax.tree.leaves((params, state))
     )
     assert two_temp >= grad_stack > fused_temp
+
+
+def test_stack_key_params_dict_with_aux_and_norms_equal_two_phase():
+    """Params as flax holds them (stack at a key); a mask by path sees the same paths."""
+    in_stack = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "w", p)
+    tx = optax.adamw(1e-2, weight_decay=0.5, mask=in_stack)  # decays only what is under "w"
+    (stack, rest), x = make(jnp.float32)
+    params = {"w": stack, **rest}
+
+    def head_aux(rest, h, x):
+        return head(rest, h, x), {"h_mean": jnp.mean(h)}
+
+    def dict_loss(p, x):
+        return loss_fn((p["w"], {k: v for k, v in p.items() if k != "w"}), x)
+
+    step = rn.fused_update_step(embed, layer, head_aux, tx, stack_key="w", has_aux=True, norms=True)
+    new, state, (loss, aux), norms = jax.jit(step)(params, tx.init(params), x)
+    value, grads = jax.value_and_grad(dict_loss)(params, x)
+    updates, ref_state = tx.update(grads, tx.init(params), params)
+    ref = optax.apply_updates(params, updates)
+    err = float(rn.relative_error((new, state), (ref, ref_state)))
+    print(f"stack_key, 1 step float32: max-scaled rel err {err:.3g}")
+    assert err <= 1e-6 and float(rn.relative_error(loss, value)) <= 1e-6
+    assert set(aux) == {"h_mean"}
+    for got, want in ((norms["grad_norm"], grads), (norms["update_norm"], updates)):
+        assert float(rn.relative_error(got, optax.tree.norm(want))) <= 1e-6
+
+
+def test_stack_key_must_name_a_key_of_the_params():
+    (stack, rest), x = make(jnp.float32)
+    params = {"w": stack, **rest}
+    tx = optax.sgd(1e-2)
+    step = rn.fused_update_step(embed, layer, head, tx, stack_key="layers")
+    with pytest.raises(TypeError, match=r"stack_key='layers'.*got \['out', 'scale', 'w'\]"):
+        step(params, tx.init(params), x)

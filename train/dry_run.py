@@ -78,6 +78,8 @@ def dry_run_report(exp: Experiment) -> None:
     say(str(rn.memory_report(loss_of_params, state.params)))
     k = cfg.train.grad_accum
     accum = f", {k} micro-batches of {micro_bs}" if k > 1 else ""
+    if exp.step_fn.__module__ == "train.fused":  # said of the step compiled, not of the config
+        accum += ", optimizer update inside the backward: train.update_in_backward"
     say(f"XLA compiled memory of the train step (per device, state donated{accum}):")
     # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
     args = (exp.step_fn, exp.abstract, _abstract(batch))

@@ -49,6 +49,7 @@ import models
 from remat_nn._memory import format_bytes
 from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
+from train import fused as fused_lib
 from train import losses as losses_lib
 from train import remat as remat_lib
 from train import sharding as sharding_lib
@@ -424,6 +425,8 @@ def build_experiment(
         grad_accum=cfg.train.grad_accum,
         loss=loss,
     )
+    if cfg.train.update_in_backward:  # the same state, updated layer by layer in the backward
+        step_fn = fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
     batch_abstract = {
         k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
         for k, v in example.items()

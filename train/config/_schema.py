@@ -320,6 +320,13 @@ class Train(_Section):
         description="a remat plan offloads to host memory on a CPU backend, which has one memory "
         "(nothing moves): warn once and run, or refuse",
     )
+    update_in_backward: bool = safe_field(
+        False,
+        description="apply the optimizer to each block's parameters inside the backward pass, as "
+        "soon as its gradient is known, so the full gradient never exists (rn.fused_update_step; "
+        "the scanned transformer; no optim.clip_norm, train.grad_accum, on_nonfinite=skip or "
+        "dropout); the same state as the two-phase step, so either resumes the other",
+    )
     progress: Literal["auto", "on", "off"] = safe_field(
         "auto", description="tqdm progress bar (auto: only on a TTY)"
     )

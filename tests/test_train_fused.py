@@ -1,0 +1,207 @@
+"""``train.update_in_backward``: the trainer's step with the optimizer update inside the backward.
+
+The fused step (train/fused.py, rn.fused_update_step) against the two-phase step
+(train.state.make_train_step) on the scanned transformer: the same state after 10 steps for each
+optimizer form the config can build and each remat mode of the stack (max-scaled relative error
+<= 1e-6, in float64), bf16 compute with its own bound; through the trainer a fused and a
+two-phase run resume each other's checkpoints; the options it cannot run with are refused
+(exit 2) naming the option.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+import models
+import remat_nn as rn
+from models import transformer as tf
+from tests.trainer_cli import ROOT, run_in_process, shared_compilation_cache
+from train import fused as fused_lib
+from train import integrity, loop
+from train import state as state_lib
+from train.config import Optim, load_config
+
+V, T, B = 32, 8, 4
+
+
+def _model(**options):
+    kw = dict(vocab_size=V, d_model=16, n_heads=2, n_layers=3, d_ff=32, max_len=T) | options
+    return tf.Transformer(**kw)
+
+
+def _steps(model, optim: Optim, *, compute_dtype=jnp.float32, state_dtype=jnp.float32, n=3):
+    """The fused and the two-phase state after ``n`` steps, from one init, on fixed batches."""
+    tx, schedule = state_lib.make_optimizer(optim, 10)
+    example = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    state = jax.jit(state_lib.make_init(model, tx, example, seed=0))()
+    state = jax.tree.map(
+        lambda x: x.astype(state_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
+    )
+    spec = models.get("transformer")
+    steps = {
+        "fused": fused_lib.make_fused_train_step(
+            spec.layer_stack(model), tx, schedule, compute_dtype=compute_dtype
+        ),
+        "two_phase": state_lib.make_train_step(
+            model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=False
+        ),
+    }
+    tokens = jax.random.randint(jax.random.key(1), (n, B, T + 1), 0, V)
+    out = {}
+    for name, step in steps.items():
+        s, step = jax.tree.map(jnp.copy, state), jax.jit(step, donate_argnums=0)
+        for i in range(n):
+            s, m = step(s, {"x": tokens[i, :, :-1], "y": tokens[i, :, 1:]})
+        out[name] = (s, m)
+    return out
+
+
+def test_fused_step_equals_two_phase_step():
+    # adamw with a weight-decay mask by path and a warm-up + cosine schedule, each block under a
+    # per-name plan, rotary positions. (sgd with momentum, Nesterov and weight decay under the
+    # default plan, full, runs through the trainer below; no remat with bf16 compute.)
+    # In float64 (state and compute), so the comparison sees the steps' order of operations and
+    # not float32 round-off, which adam's normalisation amplifies on leaves whose gradient is
+    # round-off (the key bias: softmax ignores it) or small.
+    optim = Optim(
+        name="adamw", lr=1e-2, weight_decay=0.1, decay_exclude=["bias", "scale"], warmup_steps=1
+    )
+    with jax.enable_x64(True):
+        model = _model(
+            dtype=jnp.float64, remat=rn.plan({"save": ["query_proj"]}), position="rotary"
+        )
+        out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
+    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+    # The loss and the head are float32 whatever the compute dtype (train.losses, ln_f), so the
+    # gradients carry float32 round-off, the whole of a leaf whose exact gradient is 0 (the key
+    # bias): a leaf's scale is at least 1e-2 of its tree's largest, as in the project's other
+    # comparisons of gradients computed two ways.
+    err = max(
+        float(rn.relative_error(fused.params, ref.params, floor=1e-2)),
+        float(rn.relative_error(fused.opt_state, ref.opt_state, floor=1e-2)),
+    )
+    print(f"10 steps float64, params and optimizer state max-scaled rel err {err:.3g}")
+    assert jax.tree.structure(fused) == jax.tree.structure(ref)
+    assert err <= 1e-6
+    assert int(fused.step) == 10 and np.array_equal(fused.rng, ref.rng)
+    for k in ("loss", "accuracy", "grad_norm", "lr"):
+        assert abs(float(fm[k]) - float(rm[k])) <= 1e-6 * max(abs(float(rm[k])), 1.0), k
+    assert bool(fm["finite"])
+
+
+def test_fused_step_equals_two_phase_step_bf16_compute():
+    # bf16 forward and backward, float32 master weights and update, no remat: the two steps
+    # round the same bf16 products; measured bit for bit equal here, held to the float32 bound.
+    model = _model(dtype=jnp.bfloat16, remat=None)
+    out = _steps(model, Optim(name="adamw", lr=1e-2), compute_dtype="bfloat16")
+    (fused, _), (ref, _) = out["fused"], out["two_phase"]
+    err = float(rn.relative_error((fused.params, fused.opt_state), (ref.params, ref.opt_state)))
+    print(f"bf16 compute: 3 steps, params and optimizer state max-scaled rel err {err:.3g}")
+    assert err <= 1e-6
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fused.params))
+
+
+# --- through the trainer ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_of_this_module(tmp_path_factory):
+    # The runs below compile the same few programs (each step, init, eval): once.
+    with shared_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
+        yield path
+
+
+def _cfg(run_dir, *overrides):
+    return load_config(
+        ROOT / "configs/debug.yaml",
+        [
+            f"run_dir={run_dir}",
+            "model.options.max_len=16",
+            "data.seq_len=16",
+            "data.batch_size=8",
+            "train.steps=6",
+            "train.plot=false",
+            "train.tensorboard=false",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "checkpoint.every=2",
+            # sgd: adam would turn the key bias's round-off gradient into whole steps (see above)
+            "optim.name=sgd",
+            "optim.lr=0.02",
+            "optim.nesterov=true",
+            "optim.weight_decay=1e-3",
+            *overrides,
+        ],
+    )
+
+
+def _state_err(got, want) -> float:
+    assert int(got.step) == int(want.step) and np.array_equal(got.rng, want.rng)
+    return max(
+        float(rn.relative_error(got.params, want.params, floor=1e-2)),
+        float(rn.relative_error(got.opt_state, want.opt_state, floor=1e-2)),
+    )
+
+
+def test_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path):
+    # Two-phase to step 2, fused to 4, two-phase to 6, in one run directory: each step resumes
+    # the other's checkpoint. The fused leg runs under the default remat plan (full).
+    want = loop.run(_cfg(tmp_path / "two_phase")).state
+    legs = ("", "train.update_in_backward=true", "")
+    for i, leg in enumerate(legs):
+        cfg = _cfg(tmp_path / "chain", *filter(None, [leg]))
+        if i:  # the CLI resumes with the other step without --allow-config-change
+            old = yaml.safe_load((tmp_path / "chain" / "config.yaml").read_text())
+            unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
+            assert not unsafe and len(safe) == 1, (unsafe, safe)
+        got = loop.run(cfg, stop_after=2)
+        assert got.resumed_from == (2 * i or None) and got.step == 2 * i + 2
+    err = _state_err(got.state, want)
+    print(f"two-phase, fused, two-phase legs of 2 steps vs one two-phase run: rel err {err:.3g}")
+    assert err <= 1e-6
+
+
+def test_dry_run_reports_the_fused_steps_memory(tmp_path):
+    code, out = run_in_process(
+        [
+            "--config",
+            str(ROOT / "configs/debug.yaml"),
+            "--dry-run",
+            f"run_dir={tmp_path}",
+            "train.update_in_backward=true",
+            "data.seq_len=16",
+        ]
+    )
+    assert code == 0, out
+    assert "optimizer update inside the backward: train.update_in_backward" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["optim.clip_norm=1.0"], "optim.clip_norm=1.0 clips by the norm of the whole gradient"),
+        (["train.grad_accum=2"], "train.grad_accum=2 sums a full gradient"),
+        (["train.on_nonfinite=skip"], "train.on_nonfinite=skip would undo an update"),
+        (["model.options.scan_layers=false"], "scan_layers=false"),
+        (["model.options.dropout=0.1"], "dropout=0.1"),
+    ],
+)
+def test_options_it_cannot_run_with_exit_2_naming_them(tmp_path, overrides, named):
+    code, out = run_in_process(
+        [
+            "--config",
+            str(ROOT / "configs/debug.yaml"),
+            f"run_dir={tmp_path}",
+            "train.update_in_backward=true",
+            "data.seq_len=16",
+            *overrides,
+        ]
+    )
+    assert code == 2, out
+    assert "train.update_in_backward=true (the optimizer update inside the backward" in out
+    assert named in out
+    assert not (tmp_path / "checkpoints").exists()
