@@ -130,9 +130,14 @@ def _loss(f):
     return loss
 
 
+# A few programs (the suite) run faster under jit, one compile per program; the long run
+# faster op by op, where each primitive, shape and dtype compiles once for all programs.
+JIT = True
+
+
 def _grad(f, argnums):
-    # Under jit: one compile per program instead of one per primitive, shape and dtype.
-    return jax.jit(jax.grad(_loss(f), argnums=argnums))
+    grad = jax.grad(_loss(f), argnums=argnums)
+    return jax.jit(grad) if JIT else grad
 
 
 def _diff_args(args):
@@ -241,6 +246,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args()
     jax.config.update("jax_numpy_rank_promotion", "raise")
+    JIT = False
     counts = run(ns.programs, ns.seed)
     print(f"{ns.programs} programs x 2 statement orders, seed {ns.seed}: {dict(counts)}")
     raise SystemExit(1 if counts["mismatch"] or counts["non-finite"] else 0)
