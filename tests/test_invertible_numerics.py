@@ -19,7 +19,7 @@ from jax import lax
 
 import remat_nn as rn
 from remat_nn.invertible import _primitive_rules
-from remat_nn.invertible._primitive_rules import KINDS
+from remat_nn.invertible._primitive_rules import DEFAULT_RTOL, KINDS
 from tests.gradients import rel_err
 
 # A failed run-time check arrives as NotInvertibleError, or (under jit) inside a runtime error.
@@ -334,9 +334,13 @@ _W = 0.5 * jnp.eye(3) + 0.1
 def test_floating_inversions_are_bounded(name, f, args, outcome):
     """Each inversion is checked against the rebuilt tensor's scale (max |value|): refused
     where rounding or underflow lost information, exact (to the float32 bar) elsewhere."""
-    del name
     tol = 1e-5 if all(a.dtype == jnp.float32 for a in args) else 1e-2
-    assert _exact_or_refused(f, *args, tol=tol) == outcome
+    assert _exact_or_refused(f, *args, tol=tol, rtol=_EDGE_RTOL.get(name, DEFAULT_RTOL)) == outcome
+
+
+# exp / expm1 / sinh of a float32 log-scale value lose at most u * 88.7 = 5.3e-6 of the rebuilt
+# value, within the default rtol: their bounds' edges show at a tighter one.
+_EDGE_RTOL = dict.fromkeys(["asinh_huge", "log_huge", "log1p_huge"], 1e-6)
 
 
 def test_the_tolerance_is_adjustable():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any, TypeGuard
@@ -25,12 +26,19 @@ source_info_util.register_exclusion(os.path.dirname(__file__) + os.sep)
 
 def is_var(a: Any) -> TypeGuard[core.Var]:
     """A real variable (not a literal, not a dropped output)."""
-    return isinstance(a, core.Var) and not isinstance(a, core.DropVar)
+    # An exact type test: DropVar is Var's only subclass, and the analysis asks this of every
+    # operand of every equation several times.
+    return type(a) is core.Var
+
+
+@functools.cache
+def _inexact(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def is_float(aval: Any) -> bool:
     """Whether values of ``aval`` carry cotangents (typed PRNG keys and ints do not)."""
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
+    return _inexact(aval.dtype)
 
 
 def where(eqn: core.JaxprEqn) -> str:

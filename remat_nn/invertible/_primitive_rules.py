@@ -64,7 +64,7 @@ class Bound:
 
 
 #: The default tolerance of a bounded inversion, relative to the rebuilt tensor's scale.
-DEFAULT_RTOL = 4e-6
+DEFAULT_RTOL = 1e-5
 
 
 def tolerance(rtol: float, dtype: Any) -> float:
