@@ -424,12 +424,14 @@ def _probe(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> fl
     p = layout.join(jax.tree.map(lambda x: small(x[:length], 1), stack), jax.tree.map(small, rest))
     whole_state = split_state = tx.init(p)
     whole_p = split_p = p
+    # Jitted: op by op, the probe's many tiny operations would each compile on their own.
+    whole_update = jax.jit(lambda p, s, g: _whole_update(tx, p, s, g))
+    split_update = jax.jit(lambda p, s, g: _split_update(tx, layout, p, s, g))
     err = 0.0
     for _ in range(2):
         g = jax.tree.map(lambda x: 1e3 * rng.standard_normal(x.shape).astype(np.float32), p)
-        u, whole_state = tx.update(g, whole_state, whole_p)
-        whole_p = _apply_updates(whole_p, u)
-        split_p, split_state = _split_update(tx, layout, split_p, split_state, g)
+        whole_p, whole_state = whole_update(whole_p, whole_state, g)
+        split_p, split_state = split_update(split_p, split_state, g)
         for a, b in zip(
             jax.tree.leaves((split_p, split_state)),
             jax.tree.leaves((whole_p, whole_state)),
@@ -458,6 +460,14 @@ def _split_update(
         stack, stacks, _ = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
     rest, state, _ = _update_rest(tx, split, layout, stacks, rest, g_rest)
     return layout.join(stack, rest), state
+
+
+def _whole_update(
+    tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any
+) -> tuple[Any, Any]:
+    """The two-phase step's update: the whole gradient at once."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return _apply_updates(params, updates), opt_state
 
 
 def _apply_updates(params: Any, updates: Any) -> Any:
