@@ -30,6 +30,15 @@ import remat_nn as rn
 from tests.gradients import rel_err
 
 
+def report_shape(report) -> tuple:
+    """``report`` without statement positions or source lines: which primitives are inverted,
+    recomputed or only differentiated (with the operands rebuilt), what is stored and checked.
+    A program and any reordering of its statements must have the same shape."""
+    entries = sorted((e.primitive, e.path, e.detail) for e in report.entries)
+    checked = sorted((prim, reason) for prim, _, reason in report.checked)
+    return entries, report.stored_inputs, report.data_inputs, checked
+
+
 def _softscale(s):
     return 1.5 + 0.5 * jnp.tanh(s)  # in [1, 2]: a well-conditioned known factor
 
@@ -138,14 +147,24 @@ def _unrolled(spec):
     return program
 
 
-def _scanned(spec):
+def _scanned(spec, loop=False):
+    """One coupling scanned over the layers' weights; ``loop``: the same iterations as a Python
+    loop. With a bfloat16 side, XLA rounds differently by compilation context (jax.grad of the
+    scan, of the loop, jitted or op by op: up to 7.5e-3 apart, measured), so the fuzz accepts
+    the walk within that spread of either."""
     comb, side, wrap, _ = spec["layers"][0]
 
-    def program(x1, x2, ws):
-        def body(carry, w):
-            a, b = carry
-            return (b, WRAP[wrap](COMBINE[comb])(a, SIDE[side](b, w))), 0.5 * b
+    def body(carry, w):
+        a, b = carry
+        return (b, WRAP[wrap](COMBINE[comb])(a, SIDE[side](b, w))), 0.5 * b
 
+    def program(x1, x2, ws):
+        if loop:
+            carry, ys = (x1, x2), []
+            for w in ws:
+                carry, y = body(carry, w)
+                ys.append(y)
+            return (*carry, jnp.stack(ys))
         (a, b), ys = lax.scan(body, (x1, x2), ws)
         return a, b, ys
 
@@ -177,14 +196,43 @@ def test_random_coupling_programs_match_autodiff(spec, seed):
     inv = rn.invertible(program)
     report = rn.inversion_report(inv, x1, x2, ws)
     assert report.invertible, str(report)  # x1, x2 are rebuilt from the outputs, not kept
+    if not spec["scan"]:  # the same derivations as in the program's reference statement order
+        reference = _unrolled({**spec, "order": [0] * len(spec["order"])})
+        twin = rn.inversion_report(rn.invertible(reference), x1, x2, ws)
+        assert report_shape(report) == report_shape(twin), f"{report}\n{twin}"
+
     # Under jit: one compile per gradient instead of one per primitive run op by op.
-    want = jax.jit(jax.grad(_loss(program), argnums=(0, 1, 2)))(x1, x2, ws)
+    def grad(f):
+        return jax.block_until_ready(jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))(x1, x2, ws))
+
+    want = grad(program)
     # Ordinary magnitudes (values and branch scales O(1)): no run-time check may refuse (refusing
     # is for lost information; tests/test_invertible_magnitudes.py fuzzes the extremes).
-    got = jax.block_until_ready(jax.jit(jax.grad(_loss(inv), argnums=(0, 1, 2)))(x1, x2, ws))
+    got = grad(inv)
     assert all(np.isfinite(np.asarray(g)).all() for g in got), got
-    err = rel_err(got, want)
-    assert err <= 1e-5, f"gradient rel err {err:.2e}\n{report}"
+    err, bar = rel_err(got, want), 1e-5
+    if spec["scan"] and err > bar:  # autodiff's own spread (bfloat16 roundings; see _scanned)
+        loop = grad(_scanned(spec, loop=True))
+        err, bar = min(err, rel_err(got, loop)), max(bar, rel_err(want, loop))
+    assert err <= bar, f"gradient rel err {err:.2e} > {bar:.2e}\n{report}"
+
+
+def test_a_bfloat16_scan_body_matches_autodiff_of_its_loop():
+    """A fuzz case: the walk equals jax.grad of the loop up to float32 summation order, while
+    jax.grad of the lax.scan rounds differently in bfloat16 (in another case, depth 6 and width
+    2, it is the other way round: XLA's bfloat16 roundings depend on the compiled context)."""
+    spec = {"batch": 1, "width": 4, "layers": [("add", "bf16", "checkpoint", False)] * 3}
+    spec.update(scan=True, order=[0] * 9)
+    rng = np.random.default_rng(0)
+    x1, x2 = (jnp.asarray(rng.standard_normal((1, 4)), jnp.float32) for _ in range(2))
+    ws = jnp.asarray(0.25 * rng.standard_normal((3, 4, 4)), jnp.float32)
+
+    def grad(f):
+        return jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))(x1, x2, ws)
+
+    got = grad(rn.invertible(_scanned(spec)))
+    assert rel_err(got, grad(_scanned(spec, loop=True))) <= 1e-6
+    assert rel_err(got, grad(_scanned(spec))) > 1e-4  # jax.grad of the scan: other roundings
 
 
 @pytest.mark.parametrize("comb", sorted(COMBINE))

@@ -11,6 +11,8 @@ Run: python -m pytest tests/test_invertible_numerics.py -q -p no:xdist
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import remat_nn as rn
 from remat_nn.invertible import _primitive_rules
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL, KINDS
 from tests.gradients import rel_err
+from tests.test_invertible_fuzz import report_shape
 
 # A failed run-time check arrives as NotInvertibleError, or (under jit) inside a runtime error.
 REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
@@ -213,6 +216,83 @@ def test_rsqrt_of_a_large_finite_value():
     assert _matches(lax.rsqrt, x)
 
 
+# --- 3. conditioning-aware, order-free choice ---------------------------------------------------
+
+
+def _shape(f, *args, **kw):
+    """The report of rn.invertible(f) without positions and lines (see report_shape)."""
+    return report_shape(rn.inversion_report(rn.invertible(f, **kw), *args))
+
+
+def _statements(order):
+    """x (data) and w (weight) feed four outputs, each of which alone determines x: the
+    statements run in ``order``."""
+    make = {
+        "mul": lambda x, w: x * 3.0,  # bounded, error relative to x
+        "add": lambda x, w: x + 1e4 * jnp.tanh(w),  # additive: w's branch dwarfs x
+        "radd": lambda x, w: 1e4 * jnp.sin(w) + x,
+        "sub": lambda x, w: x - 1e4 * jnp.cos(w),
+        "rsub": lambda x, w: 1e4 * jnp.tanh(2 * w) - x,
+        "exp": lambda x, w: jnp.exp(x),  # bounded, error relative to x
+        "reshape": lambda x, w: x.reshape(2, 2),  # exact
+    }
+
+    def f(x, w):
+        outs = {name: make[name](x, w) for name in order}
+        return tuple(outs[k] for k in sorted(outs))
+
+    return f
+
+
+def test_a_value_recomputable_from_known_values_is_recomputed_whatever_the_order():
+    """``tanh(w)`` is recomputed from the weight, never rebuilt by the subtraction ``z - x``
+    (which the second order did before: a bounded inversion instead of an exact recompute)."""
+    x, w = jnp.linspace(0.5, 1.5, 4), jnp.linspace(-1.0, 1.0, 4)
+
+    def first(x, w):
+        y = x * 3.0
+        z = x + jnp.tanh(w)
+        return y, z
+
+    def second(x, w):
+        z = x + jnp.tanh(w)
+        y = x * 3.0
+        return y, z
+
+    for f in (first, second):
+        paths = {e.primitive: e.path for e in rn.inversion_report(f, x, w).entries}
+        assert paths == {"mul": "inverted", "tanh": "recomputed", "add": "known"}, paths
+        assert _matches(f, x, w, known_argnums=1)
+    assert _shape(first, x, w, known_argnums=1) == _shape(second, x, w, known_argnums=1)
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        ("mul", "add", "exp", "reshape"),
+        ("mul", "add", "exp"),
+        *itertools.product(("mul", "exp"), ("add", "radd", "sub", "rsub")),
+    ],
+)
+def test_the_best_conditioned_inversion_wins_in_every_statement_order(keep):
+    """Several outputs each determine x: the exact reshape is taken, then a
+    relative-error one (mul, exp), never the additive one, whose other operand is 1e4 times x
+    (subtracting it would lose x's low digits); every order of the statements gives the same
+    report, and the gradient matches autodiff."""
+    x, w = jnp.linspace(0.5, 1.5, 4), jnp.linspace(-1.0, 1.0, 4)
+    shapes = set()
+    for order in itertools.permutations(keep):
+        f = _statements(order)
+        report = rn.inversion_report(rn.invertible(f, known_argnums=1), x, w)
+        inverted = {e.primitive for e in report.entries if e.path == "inverted"}
+        assert inverted <= {"reshape", "mul", "exp"} and len(inverted) == 1, str(report)
+        if "reshape" in keep:
+            assert inverted == {"reshape"}, str(report)
+        shapes.add(repr(report_shape(report)))
+        assert _matches(f, x, w, known_argnums=1)
+    assert len(shapes) == 1, shapes
+
+
 # --- 4. strictness ------------------------------------------------------------------------------
 
 
@@ -356,7 +436,7 @@ def test_the_tolerance_is_adjustable():
 _REAL, _INEXACT, _BITS = {"float"}, {"float", "complex"}, {"signed", "unsigned", "bool"}
 _ALL, _RING = set(KINDS), {"float", "complex", "signed", "unsigned"}
 DOMAINS = {
-    **dict.fromkeys(["add", "add_any", "sub", "neg", "mul"], _RING),
+    **dict.fromkeys(["add", "add_any", "sub", "neg", "mul", "pvary"], _RING),
     "div": _INEXACT,
     **dict.fromkeys(["xor", "not"], _BITS),
     **dict.fromkeys(

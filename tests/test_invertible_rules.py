@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import AxisType, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import remat_nn as rn
 from remat_nn.invertible import _primitive_rules
@@ -166,7 +167,7 @@ def test_rule_rebuilds_and_gradient_matches(name, jax_upgrade_flags):
 
 
 def test_every_registered_rule_has_a_case():
-    covered = {prim for prim, _, _ in CASES.values()}
+    covered = {prim for prim, _, _ in CASES.values()} | {"pvary"}  # pvary: needs shard_map, below
     registered = {p.name for p in _primitive_rules.registered()}
     assert registered <= covered, f"rules without a case: {sorted(registered - covered)}"
 
@@ -204,3 +205,54 @@ def test_rule_case_inputs_are_well_conditioned():
         u, w = _inputs(dtype)
         x = np.asarray((u * (1.5 + jnp.tanh(w))).astype(jnp.float32))
         assert 0.1 <= x.min() and x.max() <= 2.5
+
+
+def _pvary_errors():
+    """(report, gradient rel err) of a coupling inside shard_map whose weights vary over
+    ``model`` and data over ``data``: JAX inserts ``pvary`` to make x1 / x2 vary over ``model``
+    before adding them to the branches, so rebuilding x1 / x2 undoes a pvary."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+    def coupling(w, x1, x2):
+        y1 = x1 + jnp.tanh(x2 @ w)
+        return y1, x2 + jnp.tanh(y1 @ w)
+
+    def grads(f):
+        def local(w, x):
+            def loss(w, x):
+                y1, y2 = f(w[0], x, 0.5 * x)
+                return lax.psum(jnp.sum(jnp.sin(y1)) + jnp.sum(y2**2), ("data", "model"))
+
+            return jax.grad(loss, argnums=(0, 1))(w, x)
+
+        specs = (P("model"), P("data"))
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs))
+
+    w = jnp.stack([0.3 * jnp.eye(3), -0.2 * jnp.eye(3)])
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    with jax.set_mesh(mesh):
+        w, x = jax.device_put(w, P("model")), jax.device_put(x, P("data"))
+        reports = []
+
+        def probe(w, x):
+            reports.append(rn.inversion_report(rn.invertible(coupling), w[0], x, 0.5 * x))
+            return w, x
+
+        jax.shard_map(
+            probe, mesh=mesh, in_specs=(P("model"), P("data")), out_specs=(P("model"), P("data"))
+        )(w, x)
+        got, want = grads(rn.invertible(coupling))(w, x), grads(coupling)(w, x)
+    return reports[0], rel_err(got, want)
+
+
+def test_pvary_is_inverted_inside_shard_map():
+    report, err = _pvary_errors()
+    assert report.invertible and [n for n, _ in report.stored_inputs] == ["args[0]"], str(report)
+    assert "pvary" in {e.primitive for e in report.entries if e.path == "inverted"}, str(report)
+    assert err <= 1e-5, err
+
+
+def test_a_wrong_pvary_rule_is_caught(monkeypatch):
+    prim = next(p for p in _primitive_rules.registered() if p.name == "pvary")
+    monkeypatch.setitem(_primitive_rules._RULES, prim, _perturbed(_primitive_rules.lookup(prim)))
+    assert _pvary_errors()[1] > 1e-3

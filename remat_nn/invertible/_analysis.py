@@ -8,8 +8,11 @@ are applied until nothing changes:
   operands from them and the known ones, makes those operands known (reconstruct).
 
 Both only ever add values, and whether a rule applies only gets easier as more is known, so the
-result is the least fixpoint: the same set whatever the statement order of the function. Each
-value records the first derivation that made it known; those form a DAG the walk follows.
+result is the least fixpoint: the same set whatever the statement order of the function. Where a
+value can be derived several ways, recomputation wins over inversion, and among inversions the
+best conditioned (exact, then checked at run time, then additive); the order
+depends on the dataflow only, so a reordered program gets the same derivations. Each value
+records its derivation; those form a DAG the walk follows.
 
 Which inputs are kept: those no rule could ever rebuild (weights, constants: the caller holds
 them anyway), then, only if the closure still misses a value the backward pass needs, the fewest
@@ -20,12 +23,14 @@ Intermediates are never stored: every value is reconstructed or recomputed from 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core.primitives as prims
+import numpy as np
 
 from remat_nn._jax_internals import core
 from remat_nn.invertible._equation_rules import Assessment, EquationRule, linked, rule_for
@@ -43,6 +48,39 @@ class Derivation:
     eqn: int = -1  # the equation evaluated (forward) or undone (inverse)
     unknown: tuple[int, ...] = ()  # inverse: the operand positions it rebuilds together
     assessment: Assessment | None = None  # inverse: the rule's verdict (nested analysis, guard)
+
+
+_ADDITIVE = frozenset({"add", "sub", "add_any"})
+
+
+def _rank(eqn: core.JaxprEqn, verdict: Assessment) -> int:
+    """How well an inversion is conditioned, best first: 0 exact for every value (nothing to
+    check at run time); 1 checked at run time, with an error relative to the rebuilt value or
+    the output (mul, div, exp, log, a body walk...); 2 additive (add, sub: the output's
+    rounding is relative to the other operand, which can dwarf the rebuilt one)."""
+    checked = verdict.lossy is not None or verdict.bounded is not None
+    if not checked and (verdict.sub is None or not verdict.sub.checked):
+        return 0
+    return 2 if eqn.primitive.name in _ADDITIVE else 1
+
+
+def _plain(v: Any) -> str:
+    """A short, deterministic text for an equation parameter (bodies by their size)."""
+    if isinstance(v, core.ClosedJaxpr):
+        v = v.jaxpr
+    if isinstance(v, core.Jaxpr):
+        return f"jaxpr{len(v.eqns)}"
+    if isinstance(v, tuple | list):
+        return "(" + ",".join(map(_plain, v)) + ")"
+    if isinstance(v, bool | int | float | complex | str | type(None)):
+        return repr(v)
+    if isinstance(v, np.dtype):
+        return str(v)
+    return getattr(v, "__name__", type(v).__name__)
+
+
+def _params_text(params: dict) -> str:
+    return ",".join(f"{k}={_plain(params[k])}" for k in sorted(params))
 
 
 class Analysis:
@@ -82,9 +120,7 @@ class Analysis:
                 if is_var(a):
                     self.touching.setdefault(a, []).append(i)
         self.verdicts: dict[tuple[int, tuple[int, ...]], Assessment] = {}
-        self.deferred: set[int] = set()
-        self.deferred_heap: list[int] = []  # -index: the latest deferred equation first
-        self.defer_all = False  # defer bounded inversions too (prefer recomputation)
+        self._digests: list[str] | None = None
         self.varying = self._varying(diff_in)
         self.needs_vjp = self._needs_vjp()
         self.required = {
@@ -132,40 +168,30 @@ class Analysis:
                 reach.update(floats)
         return out
 
-    def _fire(self, i: int, known: dict, lossy_now: bool) -> list[core.Var]:
-        """Applies the forward or the inverse rule to equation ``i``; returns new values.
-
-        An inversion that needs a run-time check is only taken when ``lossy_now`` (the closure
-        found nothing exact to do), so a value that can also be recomputed is recomputed.
-        """
+    def _forward(self, i: int, known: dict) -> list[core.Var]:
+        """Recomputes equation ``i``'s unknown outputs if its operands are all known."""
         eqn = self.eqns[i]
+        new = [v for v in eqn.outvars if is_var(v) and v not in known]
+        if not new or not all(a in known for a in eqn.invars if is_var(a)):
+            return []
+        d = Derivation("forward", i)
+        known.update((v, d) for v in new)
+        return new
+
+    def _candidate(self, i: int, known: dict) -> tuple | None:
+        """Equation ``i``'s inversion as a heap entry ``(rank, digest, i, unknown)``, or None
+        (an output unknown, nothing to rebuild, or no rule for these operands)."""
+        eqn, rule = self.eqns[i], self.rules[i]
         outs = [v for v in eqn.outvars if is_var(v)]
-        if any(v not in known for v in outs):
-            if all(a in known for a in eqn.invars if is_var(a)):
-                d = Derivation("forward", i)
-                new = [v for v in outs if v not in known]
-                known.update((v, d) for v in new)
-                return new
-            return []
-        rule = self.rules[i]
-        if rule is None or len(outs) != len(eqn.outvars):  # no rule, or a dropped output
-            return []
-        holes = {p: a for p, a in enumerate(eqn.invars) if is_var(a) and a not in known}
-        unknown = tuple(holes)
+        if rule is None or len(outs) != len(eqn.outvars) or any(v not in known for v in outs):
+            return None  # no rule, a dropped output, or an unknown output
+        unknown = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and a not in known)
         if not unknown:
-            return []
+            return None
         verdict = self._verdict(i, rule, unknown)
         if verdict.reason is not None:
-            return []
-        if (verdict.lossy is not None or (self.defer_all and verdict.bounded)) and not lossy_now:
-            if i not in self.deferred:
-                self.deferred.add(i)
-                heapq.heappush(self.deferred_heap, -i)
-            return []
-        values = list(holes.values())
-        d = Derivation("inverse", i, unknown, verdict)
-        known.update((v, d) for v in values)
-        return values
+            return None
+        return (_rank(eqn, verdict), self._digest(i), i, unknown)
 
     def _verdict(self, i: int, rule: EquationRule, unknown: tuple[int, ...]) -> Assessment:
         """``rule``'s verdict on rebuilding ``unknown`` of equation ``i`` (cached)."""
@@ -188,29 +214,60 @@ class Analysis:
         return self.verdicts[key]
 
     def _close(self, known: dict, start: Sequence[int]) -> None:
+        """Extends ``known`` to the fixpoint: every recomputation first, then the best-ranked
+        inversion (see :func:`_rank`; ties by the equation's structural digest), repeated.
+
+        Forward derivations are unique (a value has one producer) and inversions are taken in
+        an order that depends only on the program's dataflow, never on its statement order, so
+        a program and any reordering of its statements get the same derivations (up to
+        statements that are exact copies of each other, whose choice does not matter)."""
         queue, queued = deque(start), set(start)
-        self.deferred, self.deferred_heap = set(), []
+        heap: list[tuple] = []
         while True:
             while queue:
                 i = queue.popleft()
                 queued.discard(i)
-                for v in self._fire(i, known, lossy_now=False):
+                new = self._forward(i, known)
+                if not new:
+                    entry = self._candidate(i, known)
+                    if entry is not None:
+                        heapq.heappush(heap, entry)
+                    continue
+                for v in new:
                     for j in self.touching.get(v, ()):
                         if j not in queued:
                             queued.add(j)
                             queue.append(j)
-            # Nothing exact is left: take one checked inversion (the latest), then go on.
             new = []
-            while self.deferred_heap:
-                i = -heapq.heappop(self.deferred_heap)
-                self.deferred.discard(i)
-                new = self._fire(i, known, lossy_now=True)
-                if new:
-                    break
+            while heap and not new:
+                _, _, i, unknown = heapq.heappop(heap)
+                holes = tuple(p for p in unknown if self.eqns[i].invars[p] not in known)
+                if holes != unknown:  # stale: a later entry for the remaining holes exists
+                    continue
+                d = Derivation("inverse", i, unknown, self.verdicts[i, unknown])
+                new = [self.eqns[i].invars[p] for p in unknown]
+                known.update((v, d) for v in new)
             if not new:
                 return
             queue.extend(j for v in new for j in self.touching.get(v, ()) if j not in queued)
             queued.update(queue)
+
+    def _digest(self, i: int) -> str:
+        """A digest of equation ``i`` and the dataflow behind its operands (input positions,
+        primitives, parameters), independent of statement order and stable across processes."""
+        if self._digests is None:
+            names: dict[core.Var, str] = {v: f"in{p}" for p, v in enumerate(self.jaxpr.invars)}
+            self._digests = []
+            for e in self.eqns:
+                ops = ",".join(
+                    names.get(a, "?") if is_var(a) else f"{a}:{a.aval}" for a in e.invars
+                )
+                text = f"{e.primitive.name}[{_params_text(e.params)}]({ops})"
+                digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+                self._digests.append(digest)
+                for k, v in enumerate(e.outvars):
+                    names[v] = f"{digest}.{k}"
+        return self._digests[i]
 
     def _touching_all(self, vs) -> list[int]:
         return sorted({j for v in vs for j in self.touching.get(v, ())}, reverse=True)
@@ -257,13 +314,10 @@ class Analysis:
             kept.append(best[1])
             known = best[2]
         if len(kept) > len(self.must_keep):
-            # Inputs were kept: derive again from what is given, recomputing forward wherever
-            # possible before any floating inversion (a value both recomputable and rebuildable
-            # is recomputed: exact, no bound to fail). The same set, other derivations.
+            # Inputs were kept: derive again from what is given (the trials closed from
+            # partial sets). The same set, derivations independent of the keeping order.
             known = {v: d for v, d in known.items() if d.kind == "given"}
-            self.defer_all = True
             self._close(known, list(reversed(range(len(self.eqns)))))
-            self.defer_all = False
         self.known, self.kept = known, tuple(sorted(kept))
         missing = wanted - known.keys()
         if missing:

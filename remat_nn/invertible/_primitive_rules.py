@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from remat_nn._jax_internals import optimization_barrier_p, split_p
+from remat_nn._jax_internals import core, optimization_barrier_p, split_p
 
 __all__ = [
     "Bound",
@@ -619,6 +619,19 @@ _RULES[prims.asinh_p] = PrimitiveRule(
 # Identities and layout changes move values without arithmetic: exact for every dtype.
 for _p in (prims.copy_p, prims.name_p, prims.stop_gradient_p, prims.sharding_constraint_p):
     _RULES[_p] = PrimitiveRule(identity, kinds=_ANY)
+
+
+def _pvary(invals, outvals, *, axes, **params):
+    # pvary makes a value varying over manual mesh `axes` with every copy equal to the operand:
+    # the first copy, summed with zeros from the others, is the operand exactly (x + 0 == x),
+    # unvarying again; one all-reduce in the backward (there is no varying -> unvarying cast).
+    del invals, params
+    (y,) = outvals
+    first = lax.axis_index(axes) == 0
+    return [lax.psum(jnp.where(first, y, jnp.zeros_like(y)), axes)]
+
+
+_RULES[core.pvary_p] = PrimitiveRule(_pvary, (0,), kinds=_RING)
 # device_put / optimization_barrier map n operands to n equal outputs: any subset is known.
 _RULES[prims.device_put_p] = PrimitiveRule(identity, check=_any_subset, kinds=_ANY)
 _RULES[optimization_barrier_p] = PrimitiveRule(identity, check=_any_subset, kinds=_ANY)

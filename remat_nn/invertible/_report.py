@@ -178,15 +178,19 @@ def inversion_report(fun: Callable, *args: Any, **kwargs: Any) -> InversionRepor
             InversionEntry(i, display(eqn), action, where(eqn), _detail(analysis, i, action, step))
         )
     invars = analysis.jaxpr.invars
-    checked = tuple(
-        (display(analysis.eqns[s.eqn]), where(analysis.eqns[s.eqn]), s.derivation.assessment.lossy)
+    lossy = {  # once per equation: the walk may rebuild an operand early and check it then
+        s.eqn: s.derivation.assessment.lossy
         for s in analysis.schedule(True, False).steps
         if s.check and s.derivation.assessment.lossy
+    }
+    checked = tuple(
+        (display(analysis.eqns[i]), where(analysis.eqns[i]), reason)
+        for i, reason in sorted(lossy.items())
     )
     return InversionReport(
         entries=tuple(entries),
         stored_inputs=tuple((traced.names[p], aval_str(invars[p].aval)) for p in analysis.kept),
-        data_inputs=tuple(traced.names[p] for p in analysis.data_kept),
+        data_inputs=tuple(traced.names[p] for p in analysis.undetermined),
         checked=checked,
         output_bytes=sum(nbytes(v.aval) for v in analysis.jaxpr.outvars),
         notes=_per_block_notes(analysis.jaxpr),
