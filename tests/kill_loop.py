@@ -70,11 +70,13 @@ def start(run_dir: Path, fault: str | None = None) -> tuple[subprocess.Popen, qu
 
 
 def wait_for(lines: queue.Queue, predicate, out: list[str]) -> bool:
-    # Reads lines until one matches (True) or the child's output ends (False).
+    # Reads lines until one matches (True) or the child's output ends (False). The end stays
+    # in the queue, so a later read (finish) sees it too instead of waiting forever.
     while (line := lines.get()) is not None:
         out.append(line)
         if predicate(line):
             return True
+    lines.put(None)
     return False
 
 
