@@ -9,6 +9,7 @@ first use, argument checks at wrap time, and static arguments that work however 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -53,6 +54,32 @@ def check_bool(value: Any, arg: str, where: str) -> None:
             f"{where}: argument `{arg}` must be True or False, got {type(value).__name__} "
             f"{value!r}. Fix: {where}(..., {arg}=True) (or False)."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """A remat front-end's ``policy`` argument, read once (``rn.checkpoint``, ``nn.remat`` and
+    ``rnnx.remat`` share it): what to hand ``jax.checkpoint`` (or flax's remat), and the plan
+    whose names the body is checked against at first trace."""
+
+    policy: Any  # for jax.checkpoint(..., policy=...)
+    plan: Plan | None  # the plan the spec denotes, or None (a policy name, a callable, None)
+
+    def checked(self, fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+        """``fn``, raising a PlanError at first trace when a plan name never occurs in it."""
+        if self.plan is not None and self.plan.names:
+            return checked_body(fn, self.plan, where)
+        return fn
+
+
+def resolve_remat(policy: Any, where: str) -> RematPolicy:
+    """Resolves ``policy`` (checked by :func:`check_policy`, not ``"none"``) for ``where``.
+
+    Raises:
+      PolicyError / PlanError: an unknown policy name, a malformed plan, or a policy the
+        ``jax_remat3`` flag cannot honour (see :func:`remat_nn._policies.for_remat3`).
+    """
+    return RematPolicy(for_remat3(policy, resolve_policy(policy), where), as_plan(policy))
 
 
 def _check_prevent_cse(value: Any, where: str) -> bool | tuple[Any, ...]:
@@ -283,12 +310,9 @@ def checkpoint(
     names = _check_static_argnames(static_argnames, fun)
     if policy == NO_REMAT:
         return fun
-    the_plan = as_plan(policy)
-    body = fun
-    if the_plan is not None and the_plan.names:
-        body = checked_body(fun, the_plan, fun_name)
-    resolved = for_remat3(policy, resolve_policy(policy), where)
-    remat = functools.partial(jax.checkpoint, policy=resolved, prevent_cse=prevent_cse)
+    resolved = resolve_remat(policy, where)
+    body = resolved.checked(fun, fun_name)
+    remat = functools.partial(jax.checkpoint, policy=resolved.policy, prevent_cse=prevent_cse)
     if nums or names:
         return _with_static_args(fun, body, remat, nums, names)
     rematted = remat(body)
