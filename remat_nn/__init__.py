@@ -31,6 +31,7 @@ from remat_nn._memory import (
     PolicyComparison,
     compare_policies,
     compiled_memory,
+    format_bytes,
     memory_report,
 )
 from remat_nn._peak import Buffer, PeakReport, explain_peak
@@ -84,6 +85,7 @@ __all__ = [
     "checkpoint",
     "compare_policies",
     "compiled_memory",
+    "format_bytes",
     "memory_report",
     "Buffer",
     "PeakReport",

@@ -10,7 +10,6 @@ first use, argument checks at wrap time, and static arguments that work however 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,6 +21,7 @@ from remat_nn._jax_internals import DeprecatedArg
 from remat_nn._plan import Plan, as_plan, checked_body
 from remat_nn._policies import NO_REMAT, for_remat3
 from remat_nn._policies import policy as resolve_policy
+from remat_nn.errors import closest, did_you_mean
 
 __all__ = ["checkpoint"]
 
@@ -164,9 +164,8 @@ def _check_static_argnames(static_argnames: Any, fun: Callable[..., Any]) -> tup
             known = [p.name for p in params if p.kind is not p.VAR_POSITIONAL]
             unknown = [n for n in names if n not in known]
             if unknown:
-                close = difflib.get_close_matches(unknown[0], known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                fix = (close or known or ["train"])[0]
+                hint = did_you_mean(unknown[0], known)
+                fix = closest(unknown[0], known) or (known or ["train"])[0]
                 raise ValueError(
                     f"rn.checkpoint: argument `static_argnames` names {unknown}, which are not "
                     f"parameters of {getattr(fun, '__name__', repr(fun))} (it takes {known}).{hint}"
