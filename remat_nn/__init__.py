@@ -31,13 +31,14 @@ from remat_nn._memory import (
     PolicyComparison,
     compare_policies,
     compiled_memory,
+    format_bytes,
     memory_report,
 )
 from remat_nn._peak import Buffer, PeakReport, explain_peak
 
 # --- planning under a memory budget --------------------------------------------------------------
 from remat_nn._flops import count_flops, matmul_flops
-from remat_nn._planner import PlanReport, parse_budget, plan_for_budget
+from remat_nn.planner import PlanReport, parse_budget, plan_for_budget
 
 # --- invertible: memory-free VJPs by reconstruction ---------------------------------------------
 from remat_nn.invertible import (
@@ -84,6 +85,7 @@ __all__ = [
     "checkpoint",
     "compare_policies",
     "compiled_memory",
+    "format_bytes",
     "memory_report",
     "Buffer",
     "PeakReport",

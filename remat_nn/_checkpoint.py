@@ -9,7 +9,7 @@ first use, argument checks at wrap time, and static arguments that work however 
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,6 +21,7 @@ from remat_nn._jax_internals import DeprecatedArg
 from remat_nn._plan import Plan, as_plan, checked_body
 from remat_nn._policies import NO_REMAT, for_remat3
 from remat_nn._policies import policy as resolve_policy
+from remat_nn.errors import closest, did_you_mean
 
 __all__ = ["checkpoint"]
 
@@ -53,6 +54,32 @@ def check_bool(value: Any, arg: str, where: str) -> None:
             f"{where}: argument `{arg}` must be True or False, got {type(value).__name__} "
             f"{value!r}. Fix: {where}(..., {arg}=True) (or False)."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """A remat front-end's ``policy`` argument, read once (``rn.checkpoint``, ``nn.remat`` and
+    ``rnnx.remat`` share it): what to hand ``jax.checkpoint`` (or flax's remat), and the plan
+    whose names the body is checked against at first trace."""
+
+    policy: Any  # for jax.checkpoint(..., policy=...)
+    plan: Plan | None  # the plan the spec denotes, or None (a policy name, a callable, None)
+
+    def checked(self, fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+        """``fn``, raising a PlanError at first trace when a plan name never occurs in it."""
+        if self.plan is not None and self.plan.names:
+            return checked_body(fn, self.plan, where)
+        return fn
+
+
+def resolve_remat(policy: Any, where: str) -> RematPolicy:
+    """Resolves ``policy`` (checked by :func:`check_policy`, not ``"none"``) for ``where``.
+
+    Raises:
+      PolicyError / PlanError: an unknown policy name, a malformed plan, or a policy the
+        ``jax_remat3`` flag cannot honour (see :func:`remat_nn._policies.for_remat3`).
+    """
+    return RematPolicy(for_remat3(policy, resolve_policy(policy), where), as_plan(policy))
 
 
 def _check_prevent_cse(value: Any, where: str) -> bool | tuple[Any, ...]:
@@ -137,9 +164,8 @@ def _check_static_argnames(static_argnames: Any, fun: Callable[..., Any]) -> tup
             known = [p.name for p in params if p.kind is not p.VAR_POSITIONAL]
             unknown = [n for n in names if n not in known]
             if unknown:
-                close = difflib.get_close_matches(unknown[0], known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                fix = (close or known or ["train"])[0]
+                hint = did_you_mean(unknown[0], known)
+                fix = closest(unknown[0], known) or (known or ["train"])[0]
                 raise ValueError(
                     f"rn.checkpoint: argument `static_argnames` names {unknown}, which are not "
                     f"parameters of {getattr(fun, '__name__', repr(fun))} (it takes {known}).{hint}"
@@ -283,12 +309,9 @@ def checkpoint(
     names = _check_static_argnames(static_argnames, fun)
     if policy == NO_REMAT:
         return fun
-    the_plan = as_plan(policy)
-    body = fun
-    if the_plan is not None and the_plan.names:
-        body = checked_body(fun, the_plan, fun_name)
-    resolved = for_remat3(policy, resolve_policy(policy), where)
-    remat = functools.partial(jax.checkpoint, policy=resolved, prevent_cse=prevent_cse)
+    resolved = resolve_remat(policy, where)
+    body = resolved.checked(fun, fun_name)
+    remat = functools.partial(jax.checkpoint, policy=resolved.policy, prevent_cse=prevent_cse)
     if nums or names:
         return _with_static_args(fun, body, remat, nums, names)
     rematted = remat(body)

@@ -36,7 +36,8 @@ __all__ = [
 
 
 def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
+    """``n`` bytes as remat_nn's reports print them, in binary units: ``1536`` -> ``'1.50 KiB'``
+    (B, KiB, MiB, GiB)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

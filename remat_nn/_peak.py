@@ -727,90 +727,19 @@ def _explain(
     schedule, ranges = _parse_live_range(live_range)
     metas, roots = _parse_hlo(hlo)
     end_of_program = max(len(schedule) - 1, 0)
+    program = _Program(metas, roots, names, end_of_program, _last_forward(schedule, metas))
     for a in allocs:
         for v in a.values:
             # A value XLA gives no live range (none expected): live for the whole program.
-            v.start, v.end = ranges.get(v.key, (0, end_of_program))
-    ops = [(metas.get(ins) or _NO_META).op_name for ins in schedule]
-    has_backward = any("transpose(" in op for op in ops)
-    # The forward pass ends at its last instruction; a value made before that and live after it
-    # is kept for the backward pass (backward values can be scheduled early, e.g. zero-initialised
-    # sums; copies XLA inserts carry no op_name and are made when needed).
-    forward = [i for i, op in enumerate(ops) if "jvp(" in op and "transpose(" not in op]
-    last_forward = forward[-1] if forward and has_backward else None
-
-    def category(v: _Value) -> str:
-        op = (metas.get(v.instruction) or _NO_META).op_name
-        if "transpose(" in op:
-            return "recomputed" if "rematted_computation" in op else "gradient"
-        if last_forward is not None and v.start <= last_forward < v.end:
-            return "saved residual"
-        return "transient"
-
+            v.start, v.end = ranges.get(v.key, (0, program.end))
     device = [a for a in allocs if a.color == 0]
     temps = [a for a in device if a.kind == "temp"]
-    # Bytes of the temp allocations occupied at each index, by category (union of live slices).
-    timeline = {c: [0] * len(schedule) for c in CATEGORIES if c != FRAGMENTATION}
-    for a in device:
-        if a.kind in ("argument", "output"):
-            cat = "argument" if a.kind == "argument" else "output"
-            timeline[cat] = [x + a.size for x in timeline[cat]]
-    cats = {v.key: category(v) for a in temps for v in a.values}
-    occupied = [0] * len(schedule)
-    for a in temps:
-        for t, live in enumerate(_sweep(a, len(schedule))):
-            for v, nbytes in live:
-                timeline[cats[v.key]][t] += nbytes
-                occupied[t] += nbytes
+    cats = {v.key: program.category(v) for a in temps for v in a.values}
+    timeline, occupied = _timeline(device, temps, cats, len(schedule))
     peak = max(range(len(schedule)), key=lambda t: (occupied[t], -t)) if schedule else 0
-
-    buffers: list[Buffer] = []
-    for a in device:
-        if a.kind == "argument":
-            # The parameter's own value (JAX names it by its pytree path), not a donated output.
-            own = [v for v in a.values if v.start == 0 and _is_path(metas.get(v.instruction))]
-            v = own[0] if own else (a.values[0] if a.values else None)
-            meta = metas.get(v.instruction) if v else None
-            path = meta.op_name if meta and meta.op_name else f"parameter {a.parameter}"
-            role = _role(path) + (" (donated)" if _donated(a) else "")
-            buffers.append(
-                Buffer(
-                    f"allocation {a.index}",
-                    a.size,
-                    _strip_layout(v.shape) if v else "",
-                    f"argument: {role}",
-                    path,
-                    "",
-                    path,
-                    (0, end_of_program),
-                )
-            )
-        elif a.kind == "output":
-            live = [v for v in a.values if v.start <= peak <= v.end]
-            v = live[0] if live else max(a.values, key=lambda x: x.end, default=None)
-            b = _buffer(v, a.size, "output", metas, roots, names, a.index)
-            holds = category(live[0]) if live and live[0].end < end_of_program else ""
-            buffers.append(dataclasses.replace(b, holds=holds))
-        elif a.kind == "temp":
-            used = 0
-            for v, nbytes in _union_at(a, peak):
-                used += nbytes
-                buffers.append(_buffer(v, nbytes, cats[v.key], metas, roots, names, a.index))
-            if a.size - used:
-                buffers.append(
-                    Buffer(
-                        f"allocation {a.index}",
-                        a.size - used,
-                        "",
-                        FRAGMENTATION,
-                        None,
-                        "",
-                        FRAGMENTATION,
-                        (peak, peak),
-                    )
-                )
+    buffers = [b for a in device for b in _buffers_at(a, peak, cats, program)]
     host = [
-        _buffer(v, v.size, "host", metas, roots, names, a.index)
+        program.buffer(v, v.size, "host", a.index)
         for a in allocs
         if a.color != 0 and a.kind not in ("constant", "thread-local")
         for v in a.values
@@ -824,6 +753,115 @@ def _explain(
         {k: tuple(v) for k, v in timeline.items()},
         tuple(host),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What :func:`_explain` read from XLA's dumps, to name and categorise a value."""
+
+    metas: Mapping[str, _Meta]  # instruction -> its metadata
+    roots: Mapping[str, str]  # computation -> its root instruction
+    names: Mapping[tuple[str, int], list[_Name]]  # (file, line) -> the names tagged there
+    end: int  # the last schedule index
+    last_forward: int | None  # the forward pass's last schedule index (None: no backward)
+
+    def category(self, v: _Value) -> str:
+        op = (self.metas.get(v.instruction) or _NO_META).op_name
+        if "transpose(" in op:
+            return "recomputed" if "rematted_computation" in op else "gradient"
+        if self.last_forward is not None and v.start <= self.last_forward < v.end:
+            return "saved residual"
+        return "transient"
+
+    def buffer(self, v: _Value | None, nbytes: int, category: str, allocation: int) -> Buffer:
+        return _buffer(v, nbytes, category, self.metas, self.roots, self.names, allocation)
+
+
+def _last_forward(schedule: Sequence[str], metas: Mapping[str, _Meta]) -> int | None:
+    # The forward pass ends at its last instruction; a value made before that and live after it
+    # is kept for the backward pass (backward values can be scheduled early, e.g. zero-initialised
+    # sums; copies XLA inserts carry no op_name and are made when needed).
+    ops = [(metas.get(ins) or _NO_META).op_name for ins in schedule]
+    has_backward = any("transpose(" in op for op in ops)
+    forward = [i for i, op in enumerate(ops) if "jvp(" in op and "transpose(" not in op]
+    return forward[-1] if forward and has_backward else None
+
+
+def _timeline(
+    device: Sequence[_Allocation], temps: Sequence[_Allocation], cats: Mapping[str, str], n: int
+) -> tuple[dict[str, list[int]], list[int]]:
+    """Bytes occupied at each of the ``n`` schedule indices: by category (arguments and outputs
+    whole, temp allocations as the union of their live slices), and of temp allocations in all."""
+    timeline = {c: [0] * n for c in CATEGORIES if c != FRAGMENTATION}
+    for a in device:
+        if a.kind in ("argument", "output"):
+            cat = "argument" if a.kind == "argument" else "output"
+            timeline[cat] = [x + a.size for x in timeline[cat]]
+    occupied = [0] * n
+    for a in temps:
+        for t, live in enumerate(_sweep(a, n)):
+            for v, nbytes in live:
+                timeline[cats[v.key]][t] += nbytes
+                occupied[t] += nbytes
+    return timeline, occupied
+
+
+def _buffers_at(
+    a: _Allocation, peak: int, cats: Mapping[str, str], program: _Program
+) -> list[Buffer]:
+    # The buffers device allocation ``a`` holds at the peak.
+    if a.kind == "argument":
+        return [_argument_buffer(a, program)]
+    if a.kind == "output":
+        live = [v for v in a.values if v.start <= peak <= v.end]
+        v = live[0] if live else max(a.values, key=lambda x: x.end, default=None)
+        b = program.buffer(v, a.size, "output", a.index)
+        holds = program.category(live[0]) if live and live[0].end < program.end else ""
+        return [dataclasses.replace(b, holds=holds)]
+    if a.kind == "temp":
+        return _temp_buffers(a, peak, cats, program)
+    return []
+
+
+def _argument_buffer(a: _Allocation, program: _Program) -> Buffer:
+    # The parameter's own value (JAX names it by its pytree path), not a donated output.
+    own = [v for v in a.values if v.start == 0 and _is_path(program.metas.get(v.instruction))]
+    v = own[0] if own else (a.values[0] if a.values else None)
+    meta = program.metas.get(v.instruction) if v else None
+    path = meta.op_name if meta and meta.op_name else f"parameter {a.parameter}"
+    role = _role(path) + (" (donated)" if _donated(a) else "")
+    return Buffer(
+        f"allocation {a.index}",
+        a.size,
+        _strip_layout(v.shape) if v else "",
+        f"argument: {role}",
+        path,
+        "",
+        path,
+        (0, program.end),
+    )
+
+
+def _temp_buffers(
+    a: _Allocation, peak: int, cats: Mapping[str, str], program: _Program
+) -> list[Buffer]:
+    # The values of temp allocation ``a`` live at the peak, then its unused bytes.
+    live = _union_at(a, peak)
+    out = [program.buffer(v, nbytes, cats[v.key], a.index) for v, nbytes in live]
+    if unused := a.size - sum(nbytes for _, nbytes in live):
+        out.append(
+            Buffer(
+                f"allocation {a.index}",
+                unused,
+                "",
+                FRAGMENTATION,
+                None,
+                "",
+                FRAGMENTATION,
+                (peak, peak),
+            )
+        )
+    return out
 
 
 def _is_path(meta: _Meta | None) -> bool:

@@ -22,7 +22,7 @@ import jax
 import yaml
 
 from remat_nn._jax_internals import checkpoint_name_of, core, name_p, pe, sub_jaxprs
-from remat_nn.errors import PlanError
+from remat_nn.errors import PlanError, did_you_mean_each
 
 __all__ = ["ACTIONS", "Plan", "names_in_jaxpr", "plan"]
 
@@ -148,14 +148,7 @@ class Plan:
         found = frozenset(found)
         missing = [n for n in self.names if n not in found]
         if missing:
-            import difflib
-
-            hints = [
-                f"{m!r} -> {c[0]!r}?"
-                for m in missing
-                if (c := difflib.get_close_matches(m, found, n=1))
-            ]
-            hint = f" Did you mean: {', '.join(hints)}" if hints else ""
+            hint = did_you_mean_each(missing, found)
             raise PlanError(
                 f"plan names {missing} never occur in {where}, so the plan would silently do "
                 f"nothing for them. Names that occur: {sorted(found)}.{hint} Fix: correct the "
@@ -248,14 +241,7 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
     mapping.update(kwargs)
     unknown = sorted(set(mapping) - _KEYS, key=str)
     if unknown:
-        import difflib
-
-        hints = [
-            f"{u!r} -> {c[0]!r}?"
-            for u in unknown
-            if isinstance(u, str) and (c := difflib.get_close_matches(u, sorted(_KEYS), n=1))
-        ]
-        hint = f" Did you mean: {', '.join(hints)}" if hints else ""
+        hint = did_you_mean_each(unknown, sorted(_KEYS))
         raise PlanError(
             f"rn.plan: unknown keys {unknown}; a plan has only {sorted(_KEYS)}.{hint} "
             "Fix: e.g. {'save': [...], 'offload': [...], 'recompute': [...], 'default': ...}."

@@ -7,7 +7,6 @@ callables pass through unchanged; plans (:mod:`remat_nn._plan`) compile to one.
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -21,7 +20,7 @@ from remat_nn._jax_internals import (
     remat3_honours,
     remat3_on,
 )
-from remat_nn.errors import PolicyError
+from remat_nn.errors import PolicyError, did_you_mean
 
 __all__ = ["ALIASES", "NO_REMAT", "POLICIES", "Policy", "policy"]
 
@@ -144,8 +143,7 @@ def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> A
 
 def _unknown(spec: str) -> PolicyError:
     valid = sorted([*POLICIES, *ALIASES])
-    close = difflib.get_close_matches(spec, valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(spec, valid)
     return PolicyError(
         f"rn.policy: unknown policy name {spec!r}.{hint} Valid names: {', '.join(valid)}; "
         "or a plan string such as 'save=query_proj;offload=mlp_hidden'."

@@ -2,10 +2,38 @@
 
 Each error names the argument, the value received and the fix. They subclass the builtin
 exception a user would catch anyway (``ValueError`` / ``TypeError``), so ``except ValueError``
-keeps working.
+keeps working. ``closest`` / ``did_you_mean`` / ``did_you_mean_each`` write the "Did you mean"
+hint of every message that names a value not among the valid ones.
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def closest(word: str, valid: Iterable[str]) -> str | None:
+    """The valid value closest to ``word`` (:func:`difflib.get_close_matches`), or None."""
+    close = difflib.get_close_matches(word, list(valid), n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, valid: Iterable[str]) -> str:
+    """``" Did you mean 'x'?"`` with the valid value closest to ``word``, or ``""``."""
+    close = closest(word, valid)
+    return f" Did you mean {close!r}?" if close is not None else ""
+
+
+def did_you_mean_each(words: Iterable[object], valid: Iterable[str]) -> str:
+    """``" Did you mean: 'a' -> 'b'?, 'c' -> 'd'?"`` for each of ``words`` (strings only) that
+    has a close valid value, or ``""`` when none has."""
+    valid = list(valid)
+    hints = [
+        f"{w!r} -> {c!r}?"
+        for w in words
+        if isinstance(w, str) and (c := closest(w, valid)) is not None
+    ]
+    return f" Did you mean: {', '.join(hints)}" if hints else ""
 
 
 class RematNNError(Exception):

@@ -9,7 +9,7 @@ import pytest
 
 import remat_nn as rn
 from remat_nn import _demo
-from remat_nn._planner import NameCost, solve
+from remat_nn.planner import NameCost, solve
 from tests.gradients import rel_err
 
 
@@ -174,9 +174,9 @@ def test_settles_for_a_compiled_plan_when_every_solve_overshoots(projs, monkeypa
     # name recomputed, each name saved alone) fit whenever the budget is above the stated
     # minimum: one of them must be the answer, not a PlanError. Make every plan that keeps
     # more than one name compile far over budget.
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
-    real = _planner._compile
+    real = _measure._compile
 
     class Overshooting:
         def __init__(self, compiled):
@@ -191,7 +191,7 @@ def test_settles_for_a_compiled_plan_when_every_solve_overshoots(projs, monkeypa
         kept = isinstance(policy, rn.Plan) and len(policy.save) + len(policy.offload) > 1
         return Overshooting(out) if kept else out
 
-    monkeypatch.setattr(_planner, "_compile", compile_)
+    monkeypatch.setattr(_measure, "_compile", compile_)
     report = rn.plan_for_budget(
         proj_loss, *projs, budget=1.0, measure=False, max_attempts=2, **RATES
     )
@@ -219,9 +219,9 @@ def test_memory_model_learns_an_interaction_from_one_compile(monkeypatch):
     # three names by the additive model but not with `extra`, and fits two with it: the model
     # cannot see the interaction before one such plan is compiled, and must predict it from
     # then on (<= 5% error), so that the next plan compiled (two names) fits.
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
-    real = _planner._compile
+    real = _measure._compile
     w, x = jnp.ones((4, 3, 32, 32)) / 32, jnp.ones((8, 32))
     stack = 4 * 8 * 32 * 4  # one name's saved stack: (layers, B, D) float32
     extra = 3 * stack // 4
@@ -239,7 +239,7 @@ def test_memory_model_learns_an_interaction_from_one_compile(monkeypatch):
         kept = isinstance(policy, rn.Plan) and len(policy.save) + len(policy.offload) > 1
         return Interacting(out) if kept else out
 
-    monkeypatch.setattr(_planner, "_compile", compile_)
+    monkeypatch.setattr(_measure, "_compile", compile_)
     every = rn.Plan(default="recompute")
     floor = rn.compiled_memory(jax.grad(lambda w, x: three_loss(w, x, policy=every)), w, x)
     budget = floor.temp_size_in_bytes + 3 * stack + stack // 4
@@ -294,14 +294,14 @@ def test_a_variant_meets_a_budget_no_plan_of_fn_meets():
 def test_measured_times_choose_among_the_fitting_plans(projs, monkeypatch):
     # The fastest-modeled plans that fit are timed; the fastest measured wins even when the
     # model ranks it last (saving cheap activations can be slower than recomputing them).
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
     def fake_time(executables, args, rounds):
         plans = list(executables)
         assert len(plans) >= 2
         return {p: (1.0 if p is plans[-1] else 2.0) for p in plans}, rounds
 
-    monkeypatch.setattr(_planner, "_time", fake_time)
+    monkeypatch.setattr(_measure, "_time", fake_time)
     report = rn.plan_for_budget(proj_loss, *projs, budget=1.0, shortlist=3, **RATES)
     timed = [t for t in report.tried if t.measured_ratio is not None]
     assert report.measured and 2 <= len(timed) <= 3
@@ -395,7 +395,7 @@ def test_count_flops_multiplies_scan_bodies(jax_upgrade_flags):
 
 
 class FakeClock:
-    """``time.perf_counter`` for :func:`_planner._time`: a candidate's call advances it by the
+    """``time.perf_counter`` for :func:`_measure._time`: a candidate's call advances it by the
     candidate's cost, so the race sees exact, repeatable step times (the clock is not what the
     race logic is tested for)."""
 
@@ -414,33 +414,33 @@ class FakeClock:
 
 @pytest.fixture
 def fake_clock(monkeypatch):
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
     clock = FakeClock()
-    monkeypatch.setattr(_planner, "time", clock)
+    monkeypatch.setattr(_measure, "time", clock)
     return clock
 
 
 def test_timing_race_drops_the_clearly_slower_plan_and_ranks_against_the_winner(fake_clock):
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
     plans = {"g": fake_clock.executable(7.0), "f": fake_clock.executable(1.0)}
-    rel, ran = _planner._time(plans, (), rounds=40)
+    rel, ran = _measure._time(plans, (), rounds=40)
     # g is slower in every round: dropped at the fifth round, which ends the race.
     assert (rel, ran) == ({"g": 7.0, "f": 1.0}, 5)
     # Nobody drops out before the fifth round, however slow.
-    rel, ran = _planner._time(plans, (), rounds=4)
+    rel, ran = _measure._time(plans, (), rounds=4)
     assert (rel, ran) == ({"g": 7.0, "f": 1.0}, 4)
 
 
 def test_timing_race_keeps_a_plan_within_the_margin_to_the_last_round(fake_clock):
-    from remat_nn import _planner
+    from remat_nn.planner import _measure
 
     plans = {"f": fake_clock.executable(1.0), "h": fake_clock.executable(1.01)}  # 1% < 2%
-    rel, ran = _planner._time(plans, (), rounds=12)
+    rel, ran = _measure._time(plans, (), rounds=12)
     assert ran == 12 and rel["f"] == 1.0 and rel["h"] == pytest.approx(1.01, rel=1e-9)
     plans["h"] = fake_clock.executable(1.03)  # 3%: clearly slower
-    rel, ran = _planner._time(plans, (), rounds=12)
+    rel, ran = _measure._time(plans, (), rounds=12)
     assert ran == 5 and rel["h"] == pytest.approx(1.03, rel=1e-9)
 
 

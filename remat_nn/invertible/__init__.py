@@ -6,7 +6,7 @@ The table of contents; the algorithm is explained in README.md beside this file.
 - ``_primitive_rules``: per-primitive inverses with their exactness guards (the registry).
 - ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp.
 - ``_analysis``: the monotone closure deciding what the walk knows and which inputs it keeps.
-- ``_walk``: the backward walk itself (schedule and execution, run-time checks).
+- ``_walk``: the backward walk itself (derivations, schedule and execution, run-time checks).
 - ``_api``: ``rn.invertible`` (tracing, static arguments, the per-signature cache).
 - ``_custom_ivjp``: ``rn.custom_ivjp``.
 - ``_report``: ``rn.inversion_report``.

@@ -36,18 +36,9 @@ from remat_nn._jax_internals import core
 from remat_nn.invertible._equation_rules import Assessment, EquationRule, linked, rule_for
 from remat_nn.invertible._jaxpr import dce, display, is_float, is_var, nbytes, where
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
+from remat_nn.invertible._walk import Derivation, build_schedule
 
 stop_gradient_p = prims.stop_gradient_p
-
-
-@dataclasses.dataclass(frozen=True)
-class Derivation:
-    """How a value becomes known in the reverse walk."""
-
-    kind: str  # "given" (an output or a kept input) | "forward" | "inverse"
-    eqn: int = -1  # the equation evaluated (forward) or undone (inverse)
-    unknown: tuple[int, ...] = ()  # inverse: the operand positions it rebuilds together
-    assessment: Assessment | None = None  # inverse: the rule's verdict (nested analysis, guard)
 
 
 _ADDITIVE = frozenset({"add", "sub", "add_any"})
@@ -432,8 +423,6 @@ class Analysis:
     def schedule(self, want_cts: bool, want_inputs: bool):
         """The walk over this analysis (built once per kind): with cotangents, and/or
         rebuilding the unknown inputs."""
-        from remat_nn.invertible._walk import build_schedule
-
         key = (want_cts, want_inputs)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(self, want_cts, want_inputs)

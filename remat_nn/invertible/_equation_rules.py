@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.extend.core.primitives as prims
@@ -32,8 +32,32 @@ from remat_nn._jax_internals import (
 from remat_nn.invertible import _primitive_rules
 from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
 
-if TYPE_CHECKING:
-    from remat_nn.invertible._analysis import Analysis
+
+class Nesting(Protocol):
+    """What a rule's assessment asks of the analysis it is part of (an ``Analysis``)."""
+
+    rtol: float  # the tolerance of the run-time bounds
+
+    def nested(self, jaxpr: core.Jaxpr, known_in: Any, known_out: Any) -> Any:
+        """The analysis of a call's or scan's body, or why it fails (a str)."""
+        ...
+
+
+# The walk, as the rules of calls and scans run it on their body's analysis (``_walk.execute``):
+# (analysis, inputs with None to rebuild, outputs, output cotangents or None)
+#   -> (all inputs, their cotangents or None, failed-check code or None).
+Walk = Callable[
+    [Any, list[Any], list[Any], list[Any] | None], tuple[list[Any], list[Any] | None, Any]
+]
+
+
+def combine_codes(code: Any, new: Any) -> Any:
+    """The first failed check of two codes (0: none failed; None: nothing checked)."""
+    if new is None:
+        return code
+    if code is None:
+        return new
+    return jnp.where(code != 0, code, new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +80,7 @@ class EquationRule(Protocol):
         """Whether operand ``position`` can ever be rebuilt from the outputs."""
         ...
 
-    def assess(
-        self, analysis: Analysis, eqn: core.JaxprEqn, unknown: tuple[int, ...]
-    ) -> Assessment:
+    def assess(self, analysis: Nesting, eqn: core.JaxprEqn, unknown: tuple[int, ...]) -> Assessment:
         """Can the operands at ``unknown`` be rebuilt, all outputs and other operands known?"""
         ...
 
@@ -69,10 +91,12 @@ class EquationRule(Protocol):
         ins: list[Any],
         outs: list[Any],
         couts: list[Any] | None,
+        walk: Walk,
     ) -> tuple[list[Any], list[Any] | None, Any]:
         """Returns (all operands, their cotangents or None, failed-check code or None).
 
         ``ins`` has ``None`` at the operands to rebuild; ``couts`` is None to only rebuild.
+        ``walk`` runs a body's analysis (the walk running this rule passes itself).
         """
         ...
 
@@ -119,8 +143,8 @@ class SimpleRule:
             rtol=analysis.rtol,
         )
 
-    def run(self, eqn, assessment, ins, outs, couts):
-        del couts
+    def run(self, eqn, assessment, ins, outs, couts, walk):
+        del couts, walk
         holes = tuple(p for p, x in enumerate(ins) if x is None)
         invals = [
             jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) if x is None else x
@@ -172,13 +196,11 @@ class CallRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts):
-        from remat_nn.invertible._walk import execute
-
+    def run(self, eqn, assessment, ins, outs, couts, walk):
         _, consts = open_jaxpr(self.body(eqn))
         num_consts = len(consts)
         want = couts if self.fused else None
-        rebuilt, inner_cts, code = execute(assessment.sub, consts + list(ins), outs, want)
+        rebuilt, inner_cts, code = walk(assessment.sub, consts + list(ins), outs, want)
         cts = inner_cts[num_consts:] if inner_cts is not None else None
         return rebuilt[num_consts:], cts, code
 
@@ -208,9 +230,7 @@ class ScanRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts):
-        from remat_nn.invertible._walk import combine_codes, execute
-
+    def run(self, eqn, assessment, ins, outs, couts, walk):
         params = eqn.params
         num_consts, num_carry = params["num_consts"], params["num_carry"]
         _, body_consts = open_jaxpr(params["jaxpr"])
@@ -250,7 +270,7 @@ class ScanRule:
                 + [None] * num_carry
                 + [v if k else None for v, k in zip(x, xs_known, strict=True)]
             )
-            rebuilt, inner_cts, inner_code = execute(
+            rebuilt, inner_cts, inner_code = walk(
                 assessment.sub,
                 inner_in,
                 list(carry) + list(y),
@@ -306,8 +326,8 @@ class IVJPRule:
             return Assessment("its rule needs the known_argnums arguments (and constants) known")
         return Assessment()
 
-    def run(self, eqn, assessment, ins, outs, couts):
-        del assessment
+    def run(self, eqn, assessment, ins, outs, couts, walk):
+        del assessment, walk
         bwd = ivjp_bwd(eqn)
         num_consts = ivjp_num_consts(eqn)
         dys = None

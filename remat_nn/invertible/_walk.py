@@ -14,14 +14,16 @@ int32 code (0: all exact) that ``rn.invertible``'s backward turns into an error 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn._jax_internals import core
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible._analysis import Analysis, Derivation
+from remat_nn.invertible._equation_rules import Assessment, EquationRule, combine_codes
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
 
 _CHECK_MESSAGES: list[str] = []  # check id - 1 -> the error text of a failed run-time check
@@ -34,6 +36,43 @@ Fix: rn.invertible(f, fallback="recompute") keeps the input this value comes fro
 it instead of inverting `{prim}` where a value can destroy it; rn.invertible(f, rtol=...) loosens
 the rounding tolerance (relative to the rebuilt tensor's max |value|); or give this part an
 explicit inverse with rn.custom_ivjp."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """How a value becomes known in the reverse walk."""
+
+    kind: str  # "given" (an output or a kept input) | "forward" | "inverse"
+    eqn: int = -1  # the equation evaluated (forward) or undone (inverse)
+    unknown: tuple[int, ...] = ()  # inverse: the operand positions it rebuilds together
+    assessment: Assessment | None = None  # inverse: the rule's verdict (nested analysis, guard)
+
+
+class Walkable(Protocol):
+    """What the walk reads of an analysis (``_analysis.Analysis``, which builds its schedules
+    with :func:`build_schedule`)."""
+
+    @property
+    def jaxpr(self) -> core.Jaxpr: ...
+
+    @property
+    def eqns(self) -> list[core.JaxprEqn]: ...
+
+    @property
+    def known(self) -> Mapping[Any, Derivation]: ...  # every value the walk can know
+
+    @property
+    def needs_vjp(self) -> list[bool]: ...
+
+    @property
+    def rules(self) -> list[EquationRule | None]: ...
+
+    @property
+    def touching(self) -> Mapping[Any, list[int]]: ...
+
+    def active(self, i: int) -> tuple[int, ...]: ...
+
+    def schedule(self, want_cts: bool, want_inputs: bool) -> Any: ...  # a WalkSchedule
 
 
 @dataclasses.dataclass
@@ -49,7 +88,7 @@ class Step:
 class WalkSchedule:
     """The steps of one walk over ``analysis.jaxpr``."""
 
-    analysis: Analysis
+    analysis: Walkable
     steps: list[Step]
     vjp_cache: dict = dataclasses.field(default_factory=dict)  # see _jaxpr.eqn_vjp
 
@@ -63,7 +102,7 @@ def _register_check(eqn, reason: str) -> int:
     return _CHECK_IDS[text]
 
 
-def build_schedule(analysis: Analysis, want_cts: bool, want_inputs: bool) -> WalkSchedule:
+def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> WalkSchedule:
     jaxpr, eqns, known = analysis.jaxpr, analysis.eqns, analysis.known
     avail = {v for v, d in known.items() if d.kind == "given"}
     inverse_of: dict[int, Derivation] = {}
@@ -142,15 +181,6 @@ def build_schedule(analysis: Analysis, want_cts: bool, want_inputs: bool) -> Wal
     return WalkSchedule(analysis, steps)
 
 
-def combine_codes(code: Any, new: Any) -> Any:
-    """The first failed check of two codes (0: none failed; None: nothing checked)."""
-    if new is None:
-        return code
-    if code is None:
-        return new
-    return jnp.where(code != 0, code, new)
-
-
 def _tie(env: dict, vs: list, code: Any) -> None:
     """Makes the rebuilt float values ``vs`` depend on the running check ``code`` at no cost
     (``x - 0 * code`` is ``x`` bit for bit, -0.0 and NaN included), so XLA folds each step's
@@ -168,7 +198,7 @@ def _accumulate(ct: dict, v: Any, c: Any) -> None:
 
 
 def execute(
-    analysis: Analysis,
+    analysis: Walkable,
     invals: list[Any],
     outvals: list[Any],
     out_cts: list[Any] | None,
@@ -213,7 +243,7 @@ def execute(
             outs = [env[v] for v in eqn.outvars]
             couts = [ct.pop(v, None) for v in eqn.outvars] if step.action == "fused" else None
             rule = analysis.rules[step.eqn]
-            rebuilt, in_cts, result = rule.run(eqn, d.assessment, ins, outs, couts)
+            rebuilt, in_cts, result = rule.run(eqn, d.assessment, ins, outs, couts, execute)
             for p in d.unknown:
                 env.setdefault(eqn.invars[p], rebuilt[p])
             if result is not None and jnp.result_type(result) == np.bool_:

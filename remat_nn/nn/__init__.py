@@ -16,13 +16,8 @@ from remat_nn.nn._remat import checkpoint, remat
 from remat_nn.nn._remat_scan import remat_scan
 
 # --- reversible couplings and sequences -----------------------------------------------------------
-from remat_nn.nn._coupling import (
-    AdditiveCoupling,
-    AffineCoupling,
-    Coupling,
-    merge_halves,
-    split_halves,
-)
+from remat_nn._halves import merge_halves, split_halves
+from remat_nn.nn._coupling import AdditiveCoupling, AffineCoupling, Coupling
 from remat_nn.nn._reversible import ReversibleSequence
 
 # --- blocks ---------------------------------------------------------------------------------------

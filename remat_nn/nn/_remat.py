@@ -16,11 +16,15 @@ import flax.linen as fnn
 from flax import errors as flax_errors
 from flax.linen.transforms import checkpoint as flax_remat  # the original, even if patched
 
-from remat_nn._checkpoint import check_bool, check_policy, check_static_argnums
+from remat_nn._checkpoint import (
+    RematPolicy,
+    check_bool,
+    check_policy,
+    check_static_argnums,
+    resolve_remat,
+)
 from remat_nn._checkpoint import checkpoint as rn_checkpoint
-from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import NO_REMAT, for_remat3
-from remat_nn._policies import policy as resolve_policy
+from remat_nn._policies import NO_REMAT
 
 __all__ = ["checkpoint", "remat"]
 
@@ -28,14 +32,14 @@ Target = TypeVar("Target")
 
 
 def _checked_module_class(
-    target: type[fnn.Module], the_plan: Plan, methods: Any
+    target: type[fnn.Module], resolved: RematPolicy, methods: Any
 ) -> type[fnn.Module]:
     # A same-named subclass whose lifted methods check the plan inside the remat body; the
     # parameter tree is unchanged (the class name, and so auto-names, stay the same).
     names = ["__call__"] if methods is None else list(methods)
     attrs: dict[str, Any] = {"__module__": target.__module__, "__qualname__": target.__qualname__}
     for m in names:
-        attrs[m] = checked_body(getattr(target, m), the_plan, f"{target.__name__}.{m}")
+        attrs[m] = resolved.checked(getattr(target, m), f"{target.__name__}.{m}")
     return type(target.__name__, (target,), attrs)
 
 
@@ -94,7 +98,7 @@ def remat(
     check_bool(concrete, "concrete", "nn.remat")
     if policy == NO_REMAT:
         return target
-    resolved = for_remat3(policy, resolve_policy(policy), "nn.remat")
+    resolved = resolve_remat(policy, "nn.remat")
     # Forwarded to flax unchanged: flax's own semantics for every argument it accepts.
     to_flax = functools.partial(
         flax_remat,
@@ -103,10 +107,9 @@ def remat(
         concrete=concrete,
         prevent_cse=prevent_cse,
         static_argnums=static_argnums,
-        policy=resolved,
+        policy=resolved.policy,
         methods=methods,
     )
-    the_plan = as_plan(policy)
     if isinstance(target, type) and issubclass(target, fnn.Module):
         lifted = ["__call__"] if methods is None else list(methods)
         check_static_argnums(
@@ -116,8 +119,8 @@ def remat(
             module=True,
         )
         module_cls: type[fnn.Module] = target
-        if the_plan is not None and the_plan.names:
-            module_cls = _checked_module_class(target, the_plan, methods)
+        if resolved.plan is not None and resolved.plan.names:
+            module_cls = _checked_module_class(target, resolved, methods)
         lifted_cls = to_flax(module_cls)
         # flax names its subclass "Checkpoint" + name, and a module's auto-name (its parameters'
         # key in the parent) comes from its class name: keep the target's, so that wrapping a
@@ -133,11 +136,10 @@ def remat(
     check_static_argnums(
         static_argnums, "nn.remat", {getattr(fn, "__name__", repr(fn)): fn}, module=False
     )
-    if the_plan is not None and the_plan.names:
-        fn = checked_body(fn, the_plan, getattr(target, "__name__", repr(target)))
+    fn = resolved.checked(fn, getattr(target, "__name__", repr(target)))
     as_method = to_flax(fn)
     as_function = rn_checkpoint(
-        fn, policy=resolved, prevent_cse=prevent_cse, static_argnums=static_argnums
+        fn, policy=resolved.policy, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
 
     @functools.wraps(as_method)

@@ -28,6 +28,7 @@ import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 
+from remat_nn._halves import merge_halves, split_halves
 from remat_nn._reversible import (
     ReversibleBlock,
     coupling_block,
@@ -35,7 +36,7 @@ from remat_nn._reversible import (
     plain_scan,
     reversible_scan,
 )
-from remat_nn.nn._coupling import Coupling, merge_halves, split_halves
+from remat_nn.nn._coupling import Coupling
 
 __all__ = ["ReversibleSequence"]
 

@@ -18,6 +18,7 @@ from typing import Any
 from flax import nnx
 
 from remat_nn import names
+from remat_nn._halves import couple, uncouple
 from remat_nn._reversible import (
     additive_combine,
     additive_uncombine,
@@ -25,7 +26,6 @@ from remat_nn._reversible import (
     affine_uncombine,
 )
 from remat_nn.names import name
-from remat_nn.nn._coupling import couple, uncouple
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling"]
 

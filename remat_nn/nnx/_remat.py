@@ -15,10 +15,14 @@ from typing import Any, TypeVar
 from flax import nnx
 from flax.nnx.transforms.autodiff import remat as flax_remat  # the original, even if patched
 
-from remat_nn._checkpoint import check_bool, check_policy, check_static_argnums
-from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import NO_REMAT, for_remat3
-from remat_nn._policies import policy as resolve_policy
+from remat_nn._checkpoint import (
+    RematPolicy,
+    check_bool,
+    check_policy,
+    check_static_argnums,
+    resolve_remat,
+)
+from remat_nn._policies import NO_REMAT
 
 __all__ = ["checkpoint", "remat"]
 
@@ -113,13 +117,12 @@ def remat(
         )
     if policy == NO_REMAT:
         return f
-    resolved = for_remat3(policy, resolve_policy(policy), "nnx.remat")
-    the_plan = as_plan(policy)
+    resolved = resolve_remat(policy, "nnx.remat")
     to_flax = functools.partial(
         flax_remat,
         prevent_cse=prevent_cse,
         static_argnums=static_argnums,
-        policy=resolved,
+        policy=resolved.policy,
         graph=graph,
         graph_updates=graph_updates,
     )
@@ -133,7 +136,7 @@ def remat(
         )
         attrs: dict[str, Any] = {"__module__": f.__module__, "__qualname__": f.__qualname__}
         for m in names:
-            attrs[m] = _wrap(getattr(f, m), to_flax, the_plan, f"{f.__name__}.{m}")
+            attrs[m] = _wrap(getattr(f, m), to_flax, resolved, f"{f.__name__}.{m}")
         return type(f.__name__, (f,), attrs)
     if methods is not None:
         raise TypeError(
@@ -149,15 +152,13 @@ def remat(
         )
     where = getattr(f, "__qualname__", getattr(f, "__name__", repr(f)))
     check_static_argnums(static_argnums, "nnx.remat", {where: f}, module=False)
-    return _wrap(f, to_flax, the_plan, getattr(f, "__name__", repr(f)))
+    return _wrap(f, to_flax, resolved, getattr(f, "__name__", repr(f)))
 
 
 def _wrap(
-    fn: Callable[..., Any], to_flax: Callable[..., Any], the_plan: Plan | None, where: str
+    fn: Callable[..., Any], to_flax: Callable[..., Any], resolved: RematPolicy, where: str
 ) -> Callable[..., Any]:
-    if the_plan is not None and the_plan.names:
-        fn = checked_body(fn, the_plan, where)
-    return to_flax(fn)
+    return to_flax(resolved.checked(fn, where))
 
 
 #: ``flax.nnx`` has no ``checkpoint`` alias; ``remat_nn.nnx.checkpoint`` is ``remat``, as in

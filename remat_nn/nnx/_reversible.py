@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from remat_nn._halves import merge_halves, split_halves
 from remat_nn._reversible import (
     ReversibleBlock,
     coupling_block,
@@ -38,7 +39,6 @@ from remat_nn._reversible import (
     plain_scan,
     reversible_scan,
 )
-from remat_nn.nn._coupling import merge_halves, split_halves
 from remat_nn.nnx._coupling import Coupling
 
 __all__ = ["ReversibleSequence"]
