@@ -24,7 +24,7 @@ from train.integrity import (
     RunLockedError,
 )
 
-__all__ = ["StopSignals", "check_same_config", "share_verdict", "sync"]
+__all__ = ["StopSignals", "check_same_config", "is_main", "share_verdict", "sync"]
 
 # Start-up failures every process re-raises as the same class (any other: RuntimeError); a
 # subclass before its base.
@@ -38,13 +38,18 @@ _SHARED_ERRORS: tuple[type[Exception], ...] = (
 _MESSAGE_BYTES = 16384
 
 
+def is_main() -> bool:
+    """Whether this is process 0: the one that writes the run directory and reports."""
+    return jax.process_index() == 0
+
+
 def share_verdict(failure: BaseException | None, *, what: str) -> None:
     """Makes process 0's decision every process's: all raise the same error, or none does.
 
     Process 0 broadcasts whether (and how) its check failed; the others raise the same error
     class with process 0's message. On a single process it re-raises ``failure``.
     """
-    if jax.process_count() == 1 or jax.process_index() == 0:
+    if jax.process_count() == 1 or is_main():
         code, text = _encode_failure(failure)
     else:
         code, text = 0, ""
