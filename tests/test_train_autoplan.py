@@ -282,7 +282,7 @@ def test_tiny_transformer_picks_reversible_by_default_trains_and_resumes_bitwise
     import numpy as np
 
     from train import autoplan
-    from train.integrity import CheckpointError
+    from train.errors import CheckpointError
 
     def cfg(run_dir):
         return cfg_for(

@@ -28,6 +28,7 @@ import yaml
 
 import remat_nn as rn
 from train import losses as losses_lib
+from train import multihost
 from train import state as state_lib
 from train.config import AutoRequest
 from train.errors import SetupError
@@ -191,7 +192,7 @@ def load_or_plan(
     choice = AutoChoice(report.plan, dict(options), report.variant)
     if choice.policy is None:
         say(f"remat auto: variant {choice.variant} sets remat={options['remat']!r} itself")
-    if write and jax.process_index() == 0:
+    if write and multihost.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
         header = "".join(f"# {line}\n" for line in str(report).splitlines())
         tmp = path.with_suffix(".tmp")

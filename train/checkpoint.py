@@ -13,7 +13,7 @@ step is complete (its manifest written), so a kill at any moment leaves a usable
 Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
 restores onto 1 and back.
 
-Integrity (:mod:`train.integrity`): each step gets a manifest once orbax has renamed it into
+Integrity (:mod:`train.manifest`): each step gets a manifest once orbax has renamed it into
 place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches the
 restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
 leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
@@ -49,7 +49,6 @@ leaf it replaces, so the peak is the state plus one leaf.
 from __future__ import annotations
 
 import errno
-import functools
 import re
 import shutil
 import sys
@@ -62,16 +61,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from train import faults
-from train import integrity as integ
+from train import faults, multihost
+from train import manifest as manifest_lib
 from train.config import Checkpoint
-from train.integrity import CheckpointError, CheckpointUnavailableError
+from train.donation import refit
+from train.durable import fsync_dir
+from train.errors import CheckpointError, CheckpointUnavailableError
+from train.run_dir import remove_stale_tmp
 from train.state import TrainState
 
-__all__ = ["CheckpointError", "CheckpointUnavailableError", "Checkpointer", "rematerialize"]
+__all__ = ["Checkpointer"]
 
 
 def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class Checkpointer:
       directory: the checkpoints folder (created if missing; orbax temporary directories left by
         killed saves are removed).
       cfg: the ``checkpoint`` config section.
-      config_hash: this run's :func:`train.integrity.config_hash`; recorded in each step's
+      config_hash: this run's :func:`train.run_dir.config_hash`; recorded in each step's
         manifest and checked on restore (``""``, the default, records and checks nothing).
       warn: where warnings about rejected steps go (default: stderr).
     """
@@ -173,7 +174,7 @@ class Checkpointer:
         self._warn = warn or (lambda s: print(s, file=sys.stderr, flush=True))
         self.directory = Path(directory).absolute()
         # Removed before orbax lists the steps (orbax's own cleanup runs in the background).
-        self.removed_tmp = integ.remove_stale_tmp(self.directory) if _is_main() else []
+        self.removed_tmp = remove_stale_tmp(self.directory) if multihost.is_main() else []
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(cfg.every),
             # Orbax deletes old steps as soon as a new one is renamed into place, before its
@@ -201,7 +202,11 @@ class Checkpointer:
 
     def verified_steps(self) -> list[int]:
         """Steps that have a manifest (checked against their bytes only on restore)."""
-        return [s for s in self.all_steps() if (self.directory / str(s) / integ.MANIFEST).exists()]
+        return [
+            s
+            for s in self.all_steps()
+            if (self.directory / str(s) / manifest_lib.MANIFEST).exists()
+        ]
 
     # --- save -------------------------------------------------------------------------------------
 
@@ -234,8 +239,8 @@ class Checkpointer:
         tree = _state_tree(state)
         # The device-to-host copies the crc32s need start first, to overlap the NaN/Inf check
         # (reduced on the devices: no host copy of the state) and orbax's own copies.
-        copies = integ.HostCopies(tree)
-        bad = integ.nonfinite_leaves(tree)
+        copies = manifest_lib.HostCopies(tree)
+        bad = manifest_lib.nonfinite_leaves(tree)
         if bad:
             raise CheckpointError(
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
@@ -271,7 +276,9 @@ class Checkpointer:
             self._manifest_writer.start()
         return started
 
-    def _write_manifest(self, step: int, head: dict[str, Any], copies: integ.HostCopies) -> None:
+    def _write_manifest(
+        self, step: int, head: dict[str, Any], copies: manifest_lib.HostCopies
+    ) -> None:
         # Background: checksum the host copies (while orbax writes), then once orbax has renamed
         # the step into place, add this process's manifest.
         try:
@@ -283,15 +290,15 @@ class Checkpointer:
         step_dir = self.directory / str(step)
         if not step_dir.is_dir():
             return
-        if _is_main():
+        if multihost.is_main():
             faults.kill_if("after_finalize_before_cleanup", step)
-            integ.write_manifest(step_dir, {**head, "leaves": records})
+            manifest_lib.write_manifest(step_dir, {**head, "leaves": records})
             if _complete(step_dir):
-                integ.mark_checkpointed(self.directory, step)
+                manifest_lib.mark_checkpointed(self.directory, step)
         else:
             me = jax.process_index()
             shards = {path: r["shards"] for path, r in records.items() if r.get("shards")}
-            integ.write_manifest(
+            manifest_lib.write_manifest(
                 step_dir, {"step": step, "process": me, "shards": shards}, process=me
             )
 
@@ -302,7 +309,7 @@ class Checkpointer:
         if self._save_error is not None:
             error, self._save_error = self._save_error, None
             raise self._write_error(self._saving, error) from error
-        if _is_main():
+        if multihost.is_main():
             self._prune()
 
     def _prune(self) -> None:
@@ -312,12 +319,12 @@ class Checkpointer:
         complete: dict[int, dict[str, Any]] = {}
         for step in self.all_steps():
             try:
-                complete[step] = integ.read_manifest(self.directory / str(step))
+                complete[step] = manifest_lib.read_manifest(self.directory / str(step))
             except (ValueError, OSError):
                 continue
         if not complete:
             return
-        integ.mark_checkpointed(self.directory, max(complete))
+        manifest_lib.mark_checkpointed(self.directory, max(complete))
         keep = set(sorted(complete)[-self.cfg.keep :])
         if self.cfg.keep_best:
             name = self.cfg.best_metric
@@ -327,11 +334,11 @@ class Checkpointer:
             keep |= set(ranked[: self.cfg.keep_best])
         doomed = sorted(set(complete) - keep)
         for step in doomed:
-            gone = self.directory / f"{step}{integ.DELETING}"
+            gone = self.directory / f"{step}{manifest_lib.DELETING}"
             (self.directory / str(step)).rename(gone)
             shutil.rmtree(gone, ignore_errors=True)
         if doomed:
-            integ.fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._manager.reload()
 
     def _write_error(self, step: int | None, error: BaseException) -> CheckpointError:
@@ -478,7 +485,7 @@ class Checkpointer:
                     f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
                     + "\n".join(cast)
                 )
-            state = TrainState(**_refit(_state_tree(state), tree, copy_all=donatable))
+            state = TrainState(**refit(_state_tree(state), tree, copy_all=donatable))
             return state, meta, step
         if rejected:
             self._set_aside_done()
@@ -489,13 +496,13 @@ class Checkpointer:
             )
         if unfinished:
             self._set_aside_done()
-        if integ.checkpointed(self.directory):
+        if manifest_lib.checkpointed(self.directory):
             # A step of this run was complete once: starting over would silently retrain it.
             found = "\n".join(aside) or "  (no step is left in it)"
             earlier = sorted(p.name for p in self.directory.iterdir() if ".corrupt-" in p.name)
             raise CheckpointError(
                 f"{self.directory} held complete checkpoints of this run (marker "
-                f"{integ.CHECKPOINTED}), but none is usable now:\n{found}\n"
+                f"{manifest_lib.CHECKPOINTED}), but none is usable now:\n{found}\n"
                 + (f"Set aside earlier: {', '.join(earlier)}.\n" if earlier else "")
                 + "Nothing was restored and training did not start. Fix: restore the directory "
                 "from a backup (or move a set-aside step back), or --restart to start at step 0."
@@ -519,12 +526,12 @@ class Checkpointer:
     ) -> tuple[int, str, dict[str, Any]]:
         # This process's verdict on a step's manifest: (code, reason, manifest).
         try:
-            manifest = integ.read_manifest(self.directory / str(step))
+            manifest = manifest_lib.read_manifest(self.directory / str(step))
         except OSError as e:
             return _STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
         except ValueError as e:
             return (_UNFINISHED if str(e).startswith("no-manifest") else _BAD_MANIFEST), str(e), {}
-        problems = integ.structure_problems(
+        problems = manifest_lib.structure_problems(
             manifest["leaves"], expected, allow_dtype_cast=allow_dtype_cast
         )
         if problems:
@@ -567,7 +574,7 @@ class Checkpointer:
             problems: list[str] = []
             for path, x in jax.tree_util.tree_leaves_with_path(_state_tree(state)):
                 key = jax.tree_util.keystr(path)
-                problems = integ.checksum_problems(key, x, leaves[key])
+                problems = manifest_lib.checksum_problems(key, x, leaves[key])
                 if problems:
                     break
             if not problems and meta != manifest["meta"]:
@@ -585,7 +592,7 @@ class Checkpointer:
         aside = self.directory / f"{step}.corrupt-{reason.split(':')[0]}"
         while aside.exists():
             aside = aside.with_name(aside.name + "-again")
-        if _is_main():  # every process has finished reading it: the verdict was agreed
+        if multihost.is_main():  # every process has finished reading it: the verdict was agreed
             step_dir.rename(aside)
         line = f"  step {step}: {reason}; moved to {aside.name}"
         self._warn(f"WARNING: checkpoint rejected:\n{line}")
@@ -594,7 +601,7 @@ class Checkpointer:
     def _set_aside_done(self) -> None:
         # Every process lists the steps again only once process 0 has moved them aside, so all
         # agree on which steps exist (a later save of the same step number is not skipped).
-        _sync("checkpoint-set-aside")
+        multihost.sync("checkpoint-set-aside")
         self._manager.reload()
 
     # --- end --------------------------------------------------------------------------------------
@@ -714,21 +721,12 @@ def _storage_message(step: int, directory: Path, reason: str) -> str:
 
 
 def _agree(code: int, reason: str) -> tuple[int, str]:
-    # The verdict of the process that found the worst (one small all-gather per step), so every
-    # process accepts, sets aside or refuses the same step; the reason is local when it is ours.
-    if jax.process_count() == 1:
+    # The verdict of the process that found the worst, so every process accepts, sets aside or
+    # refuses the same step; the reason is local when it is ours.
+    worst, who = multihost.worst_verdict(code)
+    if who is None:
         return code, reason
-    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
-    worst = int(codes.max())
-    if worst == code:
-        return code, reason
-    who = int(np.argmax(codes))
     return worst, f"{_KINDS[worst]}: found by process {who}, whose log says where"
-
-
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 def _delete(tree: Any) -> None:
@@ -737,70 +735,10 @@ def _delete(tree: Any) -> None:
             x.delete()
 
 
-@functools.lru_cache(maxsize=64)  # a few shardings per run; evicting only recompiles
-def _copy_fn(sharding: Any, dtype: Any) -> Any:
-    # A jitted copy (or cast): its output is a buffer XLA allocated. jnp.copy, because a jitted
-    # identity may hand back its input.
-    def copy(x: jax.Array) -> jax.Array:
-        return jnp.copy(x) if dtype is None else x.astype(dtype)
-
-    return jax.jit(copy, out_shardings=sharding)
-
-
-def _refit(tree: Any, target: Any, *, copy_all: bool) -> Any:
-    # Leaf by leaf: cast each leaf whose dtype differs from its target's (with copy_all, copy
-    # every other one too) and delete the leaf it replaces, so the peak is the tree plus one
-    # leaf. A leaf object found at two paths is deleted after its last copy.
-    leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(target)
-    last = {id(x): i for i, x in enumerate(leaves)}
-    out = []
-    for i, (x, t) in enumerate(zip(leaves, targets, strict=True)):
-        dtype = jnp.dtype(t.dtype)
-        if x.dtype == dtype and not copy_all:
-            out.append(x)
-            continue
-        out.append(_copy_fn(t.sharding, None if x.dtype == dtype else dtype)(x))
-        if isinstance(x, jax.Array) and last[id(x)] == i:
-            x.delete()
-    return treedef.unflatten(out)
-
-
-def rematerialize(state: Any, shardings: Any) -> Any:
-    """Every leaf of ``state`` in a fresh XLA-owned buffer, so the next step can donate it.
-
-    Restored arrays are not guaranteed to own donatable buffers (jax#18617: the first step after
-    a restore kept two copies of the state). Each leaf is copied by a jitted program and then
-    deleted before the next one is copied, so the peak is the state plus one leaf, not twice the
-    state as a copy of the whole tree at once would be. The leaves of ``state`` are deleted: use
-    only the result.
-
-    Args:
-      state: a pytree of arrays.
-      shardings: a pytree like ``state`` holding the sharding each copy gets.
-
-    Returns:
-      A pytree like ``state`` with the same values.
-
-    >>> old = {"w": jnp.ones(3)}
-    >>> new = rematerialize(old, {"w": old["w"].sharding})
-    >>> old["w"].is_deleted(), new["w"].tolist()
-    (True, [1.0, 1.0, 1.0])
-    """
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
-    return _refit(state, target, copy_all=True)
-
-
-def _is_main() -> bool:
-    return jax.process_index() == 0
-
-
 def _complete(step_dir: Path) -> bool:
     # Every process's manifest part is there (shared storage).
     try:
-        integ.read_manifest(step_dir)
+        manifest_lib.read_manifest(step_dir)
     except (ValueError, OSError):
         return False
     return True

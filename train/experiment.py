@@ -20,7 +20,7 @@ import optax
 
 import models
 from remat_nn._memory import format_bytes
-from train import autoplan, multihost
+from train import autoplan, donation, multihost
 from train import data as data_lib
 from train import fused as fused_lib
 from train import losses as losses_lib
@@ -174,7 +174,7 @@ def build_experiment(
         donate_argnums=2,
     )
     if cfg.train.verify_donation:
-        alias_bytes = state_lib.verify_donation(train_step, abstract)
+        alias_bytes = donation.verify_donation(train_step, abstract)
         say(f"donation: XLA aliases {format_bytes(alias_bytes)} per device (the whole train state)")
     return Experiment(
         cfg=cfg,

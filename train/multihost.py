@@ -16,15 +16,22 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train.errors import SetupError
-from train.integrity import (
+from train.errors import (
     CheckpointError,
     CheckpointUnavailableError,
     ConfigChangedError,
     RunLockedError,
+    SetupError,
 )
 
-__all__ = ["StopSignals", "check_same_config", "is_main", "share_verdict", "sync"]
+__all__ = [
+    "StopSignals",
+    "check_same_config",
+    "is_main",
+    "share_verdict",
+    "sync",
+    "worst_verdict",
+]
 
 # Start-up failures every process re-raises as the same class (any other: RuntimeError); a
 # subclass before its base.
@@ -71,7 +78,7 @@ def share_verdict(failure: BaseException | None, *, what: str) -> None:
 def check_same_config(config_hash: str) -> None:
     """Raises SetupError on every process unless all were launched with the same config.
 
-    Compares :func:`train.integrity.config_hash` (the keys that change the computation) of every
+    Compares :func:`train.run_dir.config_hash` (the keys that change the computation) of every
     process: one all-gather of 64 bytes. A no-op on a single process.
     """
     if jax.process_count() == 1:
@@ -146,3 +153,18 @@ def sync(name: str) -> None:
     """A barrier: every process waits here until all have arrived."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def worst_verdict(code: int) -> tuple[int, int | None]:
+    """The largest of every process's ``code`` and the first process that found it.
+
+    One small all-gather, so every process takes the same decision (e.g. on a checkpoint step);
+    the process is None when the worst is this process's own code.
+    """
+    if jax.process_count() == 1:
+        return code, None
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+    worst = int(codes.max())
+    if worst == code:
+        return code, None
+    return worst, int(np.argmax(codes))
