@@ -128,56 +128,27 @@ def load_or_plan(
         shown = "" if choice.variant is None else f" (variant {choice.variant})"
         say(f"remat plan (auto, from {path}): {choice.plan}{shown}")
         return choice
-
-    loss_of_outputs = loss  # `loss` below is the planned function of the parameters
-
-    def planned(overrides: Mapping[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        # The loss of the model with `overrides` under `policy=`, and its abstract arguments.
-        fixed = "remat" in overrides  # the form's own plan: the planner's does not apply
-
-        def loss(params, batch_stats, batch, key, *, policy):
-            fn = state_lib.make_loss_fn(
-                build(None if fixed else policy, overrides),
-                compute_dtype=compute_dtype,
-                has_batch_stats=has_bn,
-                loss=loss_of_outputs,
-            )
-            return fn(params, batch_stats, batch, key)[0]
-
-        state = abstract_state(overrides)
-        has_bn = bool(jax.tree.leaves(state.batch_stats))
-        return loss, (state.params, state.batch_stats, batch, jax.random.key(0))
-
+    planned = functools.partial(
+        _form_loss,
+        build=build,
+        abstract_state=abstract_state,
+        batch=batch,
+        compute_dtype=compute_dtype,
+        loss=loss,
+    )
     forms = request.forms(model_variants or {})
-    variants = {}
-    for label, options in forms.items():
-        try:  # traced on shapes: a variant that does not build fails here, not mid-plan
-            loss, args = planned(options)
-            jax.eval_shape(functools.partial(loss, policy=rn.Plan()), *args)
-        except Exception as e:  # pydantic's, flax's and the model's own errors vary
-            given = dict(request.variants or ()).get(label) is not None
-            fix = (
-                f"fix or drop remat.variants.{label} (a form that takes no per-name plan sets "
-                "its own remat, e.g. {reversible: true, remat: none})"
-                if given
-                else f"drop it with remat.variants: {{{label}: null}} (and report it: the model "
-                "offers it)"
-            )
-            raise SetupError(
-                f"remat.variants.{label}: the model with options {options} does not build or "
-                f"does not run ({type(e).__name__}: {str(e)[:300]}). Fix: {fix}."
-            ) from e
-        variants[label] = (loss, args)
+    variants = {
+        label: _checked_form(label, options, request, planned) for label, options in forms.items()
+    }
     if variants:
         say(f"remat auto: forms to fall back on: {', '.join(variants)}")
-
     # Fixed speeds (not measured ones) keep the choice identical on every process and every
     # rerun; override with remat.flops_per_second / memory_bandwidth. Nothing is timed: the state
     # is abstract here, so the choice is the cost model's.
-    loss, args = planned({})
+    fn, args = planned({})
     try:
         report = rn.plan_for_budget(
-            loss,
+            fn,
             *args,
             budget=request.budget,
             measure=False,
@@ -193,9 +164,66 @@ def load_or_plan(
     if choice.policy is None:
         say(f"remat auto: variant {choice.variant} sets remat={options['remat']!r} itself")
     if write and multihost.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        header = "".join(f"# {line}\n" for line in str(report).splitlines())
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(header + choice.to_yaml())
-        tmp.replace(path)
+        _write_plan(path, report, choice)
     return choice
+
+
+def _form_loss(
+    overrides: Mapping[str, Any],
+    *,
+    build: Callable[..., Any],
+    abstract_state: Callable[[Mapping[str, Any]], Any],
+    batch: dict[str, jax.ShapeDtypeStruct],
+    compute_dtype: Any,
+    loss: losses_lib.LossFn,
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    # The loss of the model with `overrides` under `policy=`, and its abstract arguments.
+    fixed = "remat" in overrides  # the form's own plan: the planner's does not apply
+    state = abstract_state(overrides)
+    has_bn = bool(jax.tree.leaves(state.batch_stats))
+
+    def planned(params, batch_stats, batch, key, *, policy):
+        fn = state_lib.make_loss_fn(
+            build(None if fixed else policy, overrides),
+            compute_dtype=compute_dtype,
+            has_batch_stats=has_bn,
+            loss=loss,
+        )
+        return fn(params, batch_stats, batch, key)[0]
+
+    return planned, (state.params, state.batch_stats, batch, jax.random.key(0))
+
+
+def _checked_form(
+    label: str,
+    options: Mapping[str, Any],
+    request: AutoRequest,
+    planned: Callable[[Mapping[str, Any]], tuple[Callable[..., Any], tuple[Any, ...]]],
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    # A form to fall back on, traced on shapes: one that does not build fails here, not mid-plan.
+    try:
+        fn, args = planned(options)
+        jax.eval_shape(functools.partial(fn, policy=rn.Plan()), *args)
+    except Exception as e:  # pydantic's, flax's and the model's own errors vary
+        given = dict(request.variants or ()).get(label) is not None
+        fix = (
+            f"fix or drop remat.variants.{label} (a form that takes no per-name plan sets "
+            "its own remat, e.g. {reversible: true, remat: none})"
+            if given
+            else f"drop it with remat.variants: {{{label}: null}} (and report it: the model "
+            "offers it)"
+        )
+        raise SetupError(
+            f"remat.variants.{label}: the model with options {options} does not build or "
+            f"does not run ({type(e).__name__}: {str(e)[:300]}). Fix: {fix}."
+        ) from e
+    return fn, args
+
+
+def _write_plan(path: Path, report: Any, choice: AutoChoice) -> None:
+    # The planner's report as a comment above the choice, renamed into place.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "".join(f"# {line}\n" for line in str(report).splitlines())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + choice.to_yaml())
+    tmp.replace(path)

@@ -49,7 +49,6 @@ leaf it replaces, so the peak is the state plus one leaf.
 from __future__ import annotations
 
 import errno
-import re
 import shutil
 import sys
 import threading
@@ -65,6 +64,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from train import faults, multihost
 from train import manifest as manifest_lib
+from train import restore_verdicts as verdicts
 from train.config import Checkpoint
 from train.donation import refit
 from train.durable import fsync_dir
@@ -419,86 +419,137 @@ class Checkpointer:
             jax.tree_util.keystr(p): {"shape": list(x.shape), "dtype": str(x.dtype)}
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         }
-        rejected: list[str] = []
-        unfinished: list[str] = []  # no manifest: killed after orbax's rename, before the manifest
-        aside: list[str] = []  # both, newest first
+        aside = verdicts.SetAside()
         for step in sorted(self.all_steps(), reverse=True):
             # 1. Its manifest: complete, readable, fits the state, written with this config.
-            code, text, manifest = self._check_manifest(
+            manifest = self._agreed_manifest(
                 step,
                 expected,
+                aside,
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
-            mine = code
-            code, text = _agree(code, text)
-            if code == _STORAGE:
-                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
-            if code in (_MISFIT, _CONFIG):
-                if code != mine:
-                    text = f"checkpoint step {step} in {self.directory} is refused ({text})"
-                raise CheckpointError(text)
-            if code != _OK:
-                aside.append(self._reject(step, text))
-                (unfinished if code == _UNFINISHED else rejected).append(aside[-1])
+            if manifest is None:
                 continue
             # 2. Its bytes, restored in the saved dtypes and checked leaf by leaf.
-            faults.kill_if("during_restore", step)
-            restored: tuple[TrainState, dict[str, Any]] | None = None
-            try:
-                restored = self._restore_verified(step, tree, manifest)
-            except _Damaged as e:
-                code, text = _CHECKSUM, str(e)
-            except Exception as e:  # orbax could not read it: truncated or missing files
-                code, text = _UNREADABLE, _unreadable(self.directory / str(step), e, tree)
-                if _storage_failure(e):  # the storage, not the step: set nothing aside
-                    code, text = _STORAGE, f"{type(e).__name__}: {e}"
-            code, text = _agree(code, text)
-            if code == _STORAGE:
-                if restored is not None:
-                    _delete(restored[0])
-                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
-            if restored is None or code != _OK:
-                if restored is not None:
-                    _delete(restored[0])
-                aside.append(self._reject(step, text))
-                rejected.append(aside[-1])
+            restored = self._agreed_restore(step, tree, manifest, aside)
+            if restored is None:
                 continue
-            if rejected or unfinished:
+            if aside.lines:
                 self._set_aside_done()
             state, meta = restored
-            written = manifest.get("config_hash") or ""
-            if self.config_hash and written and written != self.config_hash:
-                self._warn(
-                    f"WARNING: step {step} was written with another config (config hash "
-                    f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
-                    "this run's config (allowed)."
-                )
-            saved = manifest["leaves"]
-            cast = [
-                f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
-                for p, e in expected.items()
-                if saved[p]["dtype"] != e["dtype"]
-            ]
-            if cast:
-                self._warn(
-                    f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
-                    + "\n".join(cast)
-                )
-            state = TrainState(**refit(_state_tree(state), tree, copy_all=donatable))
+            state = self._accept(step, state, manifest, expected, tree, donatable=donatable)
             return state, meta, step
-        if rejected:
+        self._none_usable(aside)
+        return None
+
+    def _agreed_manifest(
+        self,
+        step: int,
+        expected: dict[str, Any],
+        aside: verdicts.SetAside,
+        *,
+        allow_dtype_cast: bool,
+        allow_config_change: bool,
+    ) -> dict[str, Any] | None:
+        # The step's manifest if every process accepts it; None once the step is set aside.
+        code, text, manifest = self._check_manifest(
+            step,
+            expected,
+            allow_dtype_cast=allow_dtype_cast,
+            allow_config_change=allow_config_change,
+        )
+        mine = code
+        code, text = verdicts.agree(code, text)
+        if code == verdicts.STORAGE:
+            raise CheckpointUnavailableError(verdicts.storage_message(step, self.directory, text))
+        if code in (verdicts.MISFIT, verdicts.CONFIG):
+            if code != mine:
+                text = f"checkpoint step {step} in {self.directory} is refused ({text})"
+            raise CheckpointError(text)
+        if code != verdicts.OK:
+            aside.add(self._reject(step, text), unfinished=code == verdicts.UNFINISHED)
+            return None
+        return manifest
+
+    def _agreed_restore(
+        self, step: int, tree: dict[str, Any], manifest: dict[str, Any], aside: verdicts.SetAside
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        # The step's state and meta if every process verified its bytes; None once set aside.
+        faults.kill_if("during_restore", step)
+        restored: tuple[TrainState, dict[str, Any]] | None = None
+        code, text = verdicts.OK, ""
+        try:
+            restored = self._restore_verified(step, tree, manifest)
+        except verdicts.Damaged as e:
+            code, text = verdicts.CHECKSUM, str(e)
+        except Exception as e:  # orbax could not read it: truncated or missing files
+            code, text = (
+                verdicts.UNREADABLE,
+                verdicts.unreadable(self.directory / str(step), e, tree),
+            )
+            if verdicts.storage_failure(e):  # the storage, not the step: set nothing aside
+                code, text = verdicts.STORAGE, f"{type(e).__name__}: {e}"
+        code, text = verdicts.agree(code, text)
+        if code == verdicts.STORAGE:
+            if restored is not None:
+                _delete(restored[0])
+            raise CheckpointUnavailableError(verdicts.storage_message(step, self.directory, text))
+        if restored is None or code != verdicts.OK:
+            if restored is not None:
+                _delete(restored[0])
+            aside.add(self._reject(step, text), unfinished=False)
+            return None
+        return restored
+
+    def _accept(
+        self,
+        step: int,
+        state: TrainState,
+        manifest: dict[str, Any],
+        expected: dict[str, Any],
+        target: dict[str, Any],
+        *,
+        donatable: bool,
+    ) -> TrainState:
+        # The verified state in the dtypes of `target` (the config's state), each leaf in a
+        # fresh buffer with `donatable`; a warning for each thing allowed.
+        written = manifest.get("config_hash") or ""
+        if self.config_hash and written and written != self.config_hash:
+            self._warn(
+                f"WARNING: step {step} was written with another config (config hash "
+                f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
+                "this run's config (allowed)."
+            )
+        saved = manifest["leaves"]
+        cast = [
+            f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
+            for p, e in expected.items()
+            if saved[p]["dtype"] != e["dtype"]
+        ]
+        if cast:
+            self._warn(
+                f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n" + "\n".join(cast)
+            )
+        return TrainState(**refit(_state_tree(state), target, copy_all=donatable))
+
+    def _none_usable(self, aside: verdicts.SetAside) -> None:
+        # No step was restored: refuse when steps were damaged or the run had checkpointed
+        # once, else (only unfinished saves, or none at all) the run starts at step 0.
+        if aside.damaged:
             self._set_aside_done()
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; every step was rejected (and moved "
-                "aside):\n" + "\n".join(aside) + "\nNothing was restored and training did not "
-                "start. Fix: restore the directory from a backup, or --restart to start at step 0."
+                "aside):\n"
+                + "\n".join(aside.lines)
+                + "\nNothing was restored and training did not start. Fix: restore the "
+                "directory from a backup, or --restart to start at step 0."
             )
-        if unfinished:
+        if aside.unfinished:
             self._set_aside_done()
         if manifest_lib.checkpointed(self.directory):
             # A step of this run was complete once: starting over would silently retrain it.
-            found = "\n".join(aside) or "  (no step is left in it)"
+            found = "\n".join(aside.lines) or "  (no step is left in it)"
             earlier = sorted(p.name for p in self.directory.iterdir() if ".corrupt-" in p.name)
             raise CheckpointError(
                 f"{self.directory} held complete checkpoints of this run (marker "
@@ -507,14 +558,13 @@ class Checkpointer:
                 + "Nothing was restored and training did not start. Fix: restore the directory "
                 "from a backup (or move a set-aside step back), or --restart to start at step 0."
             )
-        if unfinished:
+        if aside.unfinished:
             # Only saves that never finished (like orbax's own temporary directories): there is
             # no complete checkpoint, so the run starts at step 0, and says so.
             self._warn(
                 "WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
-                + "\n".join(unfinished)
+                + "\n".join(aside.unfinished)
             )
-        return None
 
     def _check_manifest(
         self,
@@ -528,9 +578,17 @@ class Checkpointer:
         try:
             manifest = manifest_lib.read_manifest(self.directory / str(step))
         except OSError as e:
-            return _STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
+            return verdicts.STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
         except ValueError as e:
-            return (_UNFINISHED if str(e).startswith("no-manifest") else _BAD_MANIFEST), str(e), {}
+            return (
+                (
+                    verdicts.UNFINISHED
+                    if str(e).startswith("no-manifest")
+                    else verdicts.BAD_MANIFEST
+                ),
+                str(e),
+                {},
+            )
         problems = manifest_lib.structure_problems(
             manifest["leaves"], expected, allow_dtype_cast=allow_dtype_cast
         )
@@ -543,14 +601,14 @@ class Checkpointer:
                 "directory), another run_dir, or --restart; if only dtypes differ, "
                 "--allow-dtype-cast converts them."
             )
-            return _MISFIT, misfit, manifest
+            return verdicts.MISFIT, misfit, manifest
         written = manifest.get("config_hash") or ""  # absent in manifests of older versions
         if self.config_hash and written and written != self.config_hash and not allow_config_change:
-            changed = CONFIG_CHANGED.format(
+            changed = verdicts.CONFIG_CHANGED.format(
                 step=step, directory=self.directory, written=written[:12], now=self.config_hash[:12]
             )
-            return _CONFIG, changed, manifest
-        return _OK, "", manifest
+            return verdicts.CONFIG, changed, manifest
+        return verdicts.OK, "", manifest
 
     def _restore_verified(
         self, step: int, tree: dict[str, Any], manifest: dict[str, Any]
@@ -581,7 +639,7 @@ class Checkpointer:
                 problems = [f"checksum: meta {meta} does not match its manifest {manifest['meta']}"]
             if problems:
                 more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
-                raise _Damaged(problems[0] + more)
+                raise verdicts.Damaged(problems[0] + more)
         except BaseException:
             _delete(state)  # before the next step is restored: one state at a time
             raise
@@ -625,108 +683,6 @@ class Checkpointer:
         except Exception:
             if not self._failed:
                 raise
-
-
-def _unreadable(step_dir: Path, error: Exception, tree: dict[str, Any]) -> str:
-    # Why orbax could not read a step, naming the leaf when TensorStore's error gives its
-    # kvstore path ('path': 'params.Dense_0.kernel/') and the file when orbax's tree metadata
-    # is gone (orbax then reports only a pytree structure error).
-    if not (step_dir / "state" / "_METADATA").exists():
-        return "unreadable: state/_METADATA is missing (orbax's tree metadata)"
-    message = str(error)
-    first = message.strip().splitlines()[0][:300] if message.strip() else ""
-    dotted = {_orbax_key(path): path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    named = [p for p in re.findall(r"'path': '([^'/][^']*?)/?'", message) if p in dotted]
-    leaf = f"leaf {jax.tree_util.keystr(dotted[named[-1]])}: " if named else ""
-    return f"unreadable: {leaf}{type(error).__name__}: {first}"
-
-
-def _orbax_key(path: tuple[Any, ...]) -> str:
-    # The name orbax stores a leaf under: ['opt_state'][0][0].trace -> opt_state.0.0.trace
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
-class _Damaged(ValueError):
-    """A restored step whose bytes do not match its manifest."""
-
-
-# A process's verdict on a step. Combined over processes by the largest, so this is also the
-# order of precedence: a refusal (raised) over damage (set aside) over an unfinished save.
-_OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _STORAGE, _MISFIT, _CONFIG = range(8)
-_KINDS = {
-    _UNFINISHED: "no-manifest",
-    _BAD_MANIFEST: "bad-manifest",
-    _UNREADABLE: "unreadable",
-    _CHECKSUM: "checksum",
-    _STORAGE: "storage-error",
-    _MISFIT: "misfit",
-    _CONFIG: "config-changed",
-}
-
-CONFIG_CHANGED = """\
-checkpoint step {step} in {directory} was written with another config (config hash {written}, \
-this run's {now}): the config changed since it was written, in keys that change what the run \
-computes. Fix: rerun with the run's config (config.yaml in the run directory), pass \
---allow-config-change to resume this state with the new config, or --restart to start at step 0."""
-
-
-# Errors of the storage rather than of the bytes stored: the step may read fine once it is back.
-_STORAGE_ERRNOS = {
-    errno.EIO,
-    errno.EAGAIN,
-    errno.EACCES,
-    errno.EPERM,
-    errno.ETIMEDOUT,
-    errno.ESTALE,
-    errno.ENOTCONN,
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-    errno.EHOSTDOWN,
-    errno.EHOSTUNREACH,
-    errno.ENETDOWN,
-    errno.ENETUNREACH,
-    errno.ENOMEM,
-    errno.EMFILE,
-    errno.ENFILE,
-    errno.EINTR,
-}
-# TensorStore's status codes for the same (its errors are ValueErrors named by their status).
-_STORAGE_STATUSES = (
-    "UNAVAILABLE",
-    "DEADLINE_EXCEEDED",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "ABORTED",
-    "CANCELLED",
-)
-
-
-def _storage_failure(error: BaseException) -> bool:
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
-            return True
-        if str(cause).lstrip().startswith(_STORAGE_STATUSES):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
-def _storage_message(step: int, directory: Path, reason: str) -> str:
-    return (
-        f"reading checkpoint step {step} in {directory} failed with a storage error ({reason}). "
-        "That is no evidence of damage: nothing was set aside and training did not start. Fix: "
-        "rerun the same command once the storage is reachable again."
-    )
-
-
-def _agree(code: int, reason: str) -> tuple[int, str]:
-    # The verdict of the process that found the worst, so every process accepts, sets aside or
-    # refuses the same step; the reason is local when it is ours.
-    worst, who = multihost.worst_verdict(code)
-    if who is None:
-        return code, reason
-    return worst, f"{_KINDS[worst]}: found by process {who}, whose log says where"
 
 
 def _delete(tree: Any) -> None:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,8 +121,6 @@ def build_experiment(
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
     plan_file = choice = None
     if isinstance(plan, AutoRequest):
-        # One device's micro-batch: the backward the step compiles holds its activations.
-        micro = global_bs // mesh.size // cfg.train.grad_accum
         plan_file, choice = _auto_plan(
             cfg,
             plan,
@@ -130,7 +128,8 @@ def build_experiment(
             options=options,
             tx=tx,
             example=example,
-            micro_batch=micro,
+            # One device's micro-batch: the backward the step compiles holds its activations.
+            micro_batch=global_bs // mesh.size // cfg.train.grad_accum,
             compute_dtype=compute_dtype,
             say=say,
             loss=loss,
@@ -139,8 +138,7 @@ def build_experiment(
         )
         # The chosen form (its options on the model's, its own remat if it sets one) and plan:
         # the state below (parameters, shardings, optimizer) is built from this model.
-        options = {**options, **choice.model_options}
-        plan = choice.policy
+        options, plan = {**options, **choice.model_options}, choice.policy
     model = _build_model(spec, remat_lib.model_options_with_plan(options, plan))
     init = state_lib.make_init(model, tx, _x_shape(example), seed=cfg.train.seed)
     state_sh, abstract = _state_layout(cfg, init, mesh)
@@ -148,34 +146,20 @@ def build_experiment(
     say(_summary(cfg, abstract, dataset, mesh, global_bs))
     options = remat_lib.model_options_with_plan(options, plan)
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
-    step_fn = state_lib.make_train_step(
-        model,
-        tx,
-        schedule,
-        compute_dtype=compute_dtype,
-        has_batch_stats=has_bn,
-        skip_nonfinite=cfg.train.on_nonfinite == "skip",
-        grad_accum=cfg.train.grad_accum,
-        loss=loss,
-    )
-    if cfg.train.update_in_backward:  # the same state, updated layer by layer in the backward
-        step_fn = fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
-    jit_kwargs = dict(
-        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0
-    )
-    train_step = _compile_train_step(step_fn, jit_kwargs, abstract, example, global_bs, batch_sh)
-    metric_names = _metric_names(cfg, train_step)
-    eval_step = jax.jit(
+    steps = _compile_steps(
+        cfg,
+        _train_step_fn(cfg, spec, model, tx, schedule, compute_dtype, has_bn, loss),
         state_lib.make_eval_step(
             model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
         ),
-        in_shardings=(state_sh, batch_sh, repl),
-        out_shardings=repl,
-        donate_argnums=2,
+        abstract=abstract,
+        batch_abstract={
+            k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
+            for k, v in example.items()
+        },
+        shardings=(state_sh, batch_sh, repl),
+        say=say,
     )
-    if cfg.train.verify_donation:
-        alias_bytes = donation.verify_donation(train_step, abstract)
-        say(f"donation: XLA aliases {format_bytes(alias_bytes)} per device (the whole train state)")
     return Experiment(
         cfg=cfg,
         dataset=dataset,
@@ -189,10 +173,10 @@ def build_experiment(
         abstract=abstract,
         init=init,
         tx=tx,
-        step_fn=step_fn,
-        jit_kwargs=jit_kwargs,
-        train_step=train_step,
-        eval_step=eval_step,
+        step_fn=steps.step_fn,
+        jit_kwargs=steps.jit_kwargs,
+        train_step=steps.train_step,
+        eval_step=steps.eval_step,
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         say=say,
@@ -200,7 +184,33 @@ def build_experiment(
         plan_file=plan_file,
         auto_choice=choice,
         loss=loss,
-        metric_names=metric_names,
+        metric_names=steps.metric_names,
+    )
+
+
+def _train_step_fn(
+    cfg: Config,
+    spec: models.ModelSpec,
+    model: Any,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    compute_dtype: Any,
+    has_bn: bool,
+    loss: losses_lib.LossFn,
+) -> Callable[..., Any]:
+    # The train step before jit: with train.update_in_backward the same state, updated layer by
+    # layer in the backward.
+    if cfg.train.update_in_backward:
+        return fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
+    return state_lib.make_train_step(
+        model,
+        tx,
+        schedule,
+        compute_dtype=compute_dtype,
+        has_batch_stats=has_bn,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip",
+        grad_accum=cfg.train.grad_accum,
+        loss=loss,
     )
 
 
@@ -286,21 +296,39 @@ def _summary(
     )
 
 
-def _compile_train_step(
+class _Steps(NamedTuple):
+    step_fn: Callable[..., Any]  # the train step before jit
+    jit_kwargs: dict[str, Any]  # its shardings and donation
+    train_step: Any  # compiled
+    eval_step: Any  # jitted
+    metric_names: tuple[str, ...]  # the loss's metrics, read off the compiled step
+
+
+def _compile_steps(
+    cfg: Config,
     step_fn: Callable[..., Any],
-    jit_kwargs: dict[str, Any],
+    eval_fn: Callable[..., Any],
+    *,
     abstract: TrainState,
-    example: dict[str, Any],
-    global_bs: int,
-    batch_sh: Any,
-) -> Any:
-    # Compiled ahead of time, once: the same executable runs every step and is checked for
-    # donation before the first one.
-    batch_abstract = {
-        k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
-        for k, v in example.items()
-    }
-    return jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
+    batch_abstract: dict[str, jax.ShapeDtypeStruct],
+    shardings: tuple[Any, Any, Any],
+    say: Callable[[str], None],
+) -> _Steps:
+    # The train step compiled ahead of time, once: the same executable runs every step and is
+    # checked for donation before the first one. The eval step adds to running sums.
+    state_sh, batch_sh, repl = shardings
+    jit_kwargs = dict(
+        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0
+    )
+    train_step = jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
+    metric_names = _metric_names(cfg, train_step)
+    eval_step = jax.jit(
+        eval_fn, in_shardings=(state_sh, batch_sh, repl), out_shardings=repl, donate_argnums=2
+    )
+    if cfg.train.verify_donation:
+        alias_bytes = donation.verify_donation(train_step, abstract)
+        say(f"donation: XLA aliases {format_bytes(alias_bytes)} per device (the whole train state)")
+    return _Steps(step_fn, jit_kwargs, train_step, eval_step, metric_names)
 
 
 def _loss(cfg: Config, spec: models.ModelSpec) -> losses_lib.LossFn:

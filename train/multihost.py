@@ -28,6 +28,7 @@ __all__ = [
     "StopSignals",
     "check_same_config",
     "is_main",
+    "process_0_decides",
     "share_verdict",
     "sync",
     "worst_verdict",
@@ -48,6 +49,13 @@ _MESSAGE_BYTES = 16384
 def is_main() -> bool:
     """Whether this is process 0: the one that writes the run directory and reports."""
     return jax.process_index() == 0
+
+
+def process_0_decides(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a broadcast); ``flag`` itself on one process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 def share_verdict(failure: BaseException | None, *, what: str) -> None:
