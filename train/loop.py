@@ -61,7 +61,7 @@ from train.profile import ProfileWindow
 from train.save_timer import SaveTimer
 from train.state import TrainState
 
-# The errors run() raises, besides SetupError and DonationError (train.errors has them all).
+# With the errors run() raises (defined in train.errors), for its callers.
 __all__ = [
     "CheckpointError",
     "ConfigChangedError",
