@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import models  # noqa: E402
 from benchmarks._common import AGAIN, Paired, Result, Target, rounds_text, verdict  # noqa: E402
 from train import data as data_lib  # noqa: E402
+from train import experiment as experiment_lib  # noqa: E402
 from train import loop as loop_lib  # noqa: E402
 from train import state as state_lib  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -56,7 +57,7 @@ class _Bare:
     def __init__(self, cfg) -> None:
         spec = models.get(cfg.model.name)
         dataset = data_lib.load(cfg.data, task=spec.task)
-        model = models.build(cfg.model.name, **loop_lib._model_options(cfg, spec, dataset))
+        model = models.build(cfg.model.name, **experiment_lib._model_options(cfg, spec, dataset))
         tx, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
         example = dataset.example_batch(1)
         init = state_lib.make_init(

@@ -29,9 +29,12 @@ from jax.sharding import PartitionSpec as P
 from tests.ports import held_port
 from tests.trainer_cli import TEST_XLA_FLAGS
 from train import checkpoint as ckpt_lib
-from train import integrity
-from train.checkpoint import Checkpointer, CheckpointError, rematerialize
+from train import donation, multihost
+from train import manifest as manifest_lib
+from train.checkpoint import Checkpointer
 from train.config import Checkpoint
+from train.donation import rematerialize
+from train.errors import CheckpointError, CheckpointUnavailableError
 from train.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,13 +115,13 @@ def gated_writer(monkeypatch):
 
 def test_save_leaves_the_crc32s_to_the_background_writer(tmp_path, monkeypatch, gated_writer):
     threads: list[threading.Thread] = []
-    real_crc = integrity._crc32
+    real_crc = manifest_lib._crc32
 
     def crc(host):
         threads.append(threading.current_thread())
         return real_crc(host)
 
-    monkeypatch.setattr(integrity, "_crc32", crc)
+    monkeypatch.setattr(manifest_lib, "_crc32", crc)
     ck = checkpointer(tmp_path)
     assert ck.save(1, make_state(), data_position=0)
     assert threads == []  # save() returned without a single checksum
@@ -128,7 +131,7 @@ def test_save_leaves_the_crc32s_to_the_background_writer(tmp_path, monkeypatch, 
     # One per replicated leaf, one per shard of a sharded one: 3 sharded x 8 + 3 replicated.
     assert len(threads) == 3 * 8 + 3
     assert all(t is not threading.main_thread() for t in threads)
-    manifest = integrity.read_manifest(tmp_path / "1")
+    manifest = manifest_lib.read_manifest(tmp_path / "1")
     assert all(r["crc32"] is not None or len(r["shards"]) == 8 for r in manifest["leaves"].values())
 
 
@@ -189,7 +192,7 @@ def test_per_shard_crc32_finds_one_flipped_byte_in_one_fsdp_shard(tmp_path):
         assert ck.save(step, state, data_position=step)
     ck.wait()
     ck.close()
-    leaves = integrity.read_manifest(tmp_path / "run" / "2")["leaves"]
+    leaves = manifest_lib.read_manifest(tmp_path / "run" / "2")["leaves"]
     assert leaves["['params']['w1']"]["crc32"] is None
     assert sorted(leaves["['params']['w1']"]["shards"]) == sorted(
         f"{r}:{r + 2},0:64" for r in range(0, 16, 2)
@@ -221,7 +224,7 @@ def test_whole_leaf_crc32_of_older_manifests_still_verifies_a_sharded_leaf(tmp_p
     assert ck.save(1, state, data_position=0)
     ck.wait()
     ck.close()
-    path = tmp_path / "1" / integrity.MANIFEST
+    path = tmp_path / "1" / manifest_lib.MANIFEST
     manifest = json.loads(path.read_text())
     del manifest["config_hash"], manifest["process_count"]
     for name in ("w0", "w1"):
@@ -286,7 +289,7 @@ def test_older_steps_stay_until_the_newer_one_is_complete(tmp_path, gated_writer
     gated_writer.clear()  # step 2's manifest is held back
     assert ck.save(2, state, data_position=2)
     ck._manager.wait_until_finished()  # orbax has renamed step 2 into place
-    assert entries(tmp_path) == ["1", "2"] and not (tmp_path / "2" / integrity.MANIFEST).exists()
+    assert entries(tmp_path) == ["1", "2"] and not (tmp_path / "2" / manifest_lib.MANIFEST).exists()
     gated_writer.set()
     ck.wait()
     ck.close()
@@ -307,7 +310,7 @@ def test_step_without_manifest_falls_back_to_the_newest_valid_one_and_says_so(tm
     # A step orbax finished but whose manifest is missing (killed before it was written, or lost)
     # cannot be verified: set aside, naming why, and the newest step that verifies is restored.
     state = _save_steps(tmp_path, [1, 2, 3])
-    (tmp_path / "3" / integrity.MANIFEST).unlink()
+    (tmp_path / "3" / manifest_lib.MANIFEST).unlink()
     warnings: list[str] = []
     restored, meta, step = checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state))
     assert step == 2 and meta["data_position"] == 2
@@ -323,8 +326,8 @@ def test_only_steps_without_manifest_start_at_0_saying_so_and_keep_them(tmp_path
     # manifest and the checkpointed marker): nothing to resume. The run starts at step 0 with a
     # warning; the step is set aside, not deleted.
     state = _save_steps(tmp_path, [1])
-    (tmp_path / "1" / integrity.MANIFEST).unlink()
-    (tmp_path / integrity.CHECKPOINTED).unlink()
+    (tmp_path / "1" / manifest_lib.MANIFEST).unlink()
+    (tmp_path / manifest_lib.CHECKPOINTED).unlink()
     warnings: list[str] = []
     assert checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state)) is None
     assert "no finished checkpoint; starting at step 0" in warnings[-1], warnings
@@ -337,7 +340,7 @@ def test_every_manifest_lost_after_a_complete_step_is_refused_every_time(tmp_pat
     # this invocation (the steps are set aside) nor in the next (no step is left).
     state = _save_steps(tmp_path, [1, 2])
     for step in ("1", "2"):
-        (tmp_path / step / integrity.MANIFEST).unlink()
+        (tmp_path / step / manifest_lib.MANIFEST).unlink()
     for _ in range(2):  # this invocation, then the next
         with pytest.raises(CheckpointError, match="held complete checkpoints") as e:
             checkpointer(tmp_path).restore_latest(abstract(state))
@@ -362,7 +365,7 @@ def test_storage_error_on_restore_sets_nothing_aside(tmp_path, monkeypatch, erro
         raise error
 
     monkeypatch.setattr(Checkpointer, "restore", failing)
-    with pytest.raises(ckpt_lib.CheckpointUnavailableError, match="storage error") as e:
+    with pytest.raises(CheckpointUnavailableError, match="storage error") as e:
         checkpointer(tmp_path).restore_latest(abstract(state))
     assert "checkpoint step 2" in str(e.value) and "nothing was set aside" in str(e.value)
     assert entries(tmp_path) == ["1", "2"]
@@ -415,8 +418,8 @@ def test_each_damaged_leaf_is_named_and_its_step_set_aside(tmp_path, leaf, two_g
 
 def test_damaged_and_manifest_less_steps_are_all_listed_when_none_verifies(tmp_path):
     state = _save_steps(tmp_path, [1, 2])
-    (tmp_path / "2" / integrity.MANIFEST).unlink()
-    (tmp_path / "1" / integrity.MANIFEST).write_text("{")  # unreadable JSON
+    (tmp_path / "2" / manifest_lib.MANIFEST).unlink()
+    (tmp_path / "1" / manifest_lib.MANIFEST).write_text("{")  # unreadable JSON
     with pytest.raises(CheckpointError) as e:
         checkpointer(tmp_path).restore_latest(abstract(state))
     message = str(e.value)
@@ -477,7 +480,7 @@ def device_bytes(tree) -> list[int]:
 def copy_peaks(monkeypatch):
     """The live device bytes right after each leaf's copy is made (the old leaf still alive)."""
     peaks: list[int] = []
-    real = ckpt_lib._copy_fn
+    real = donation._copy_fn
 
     def spied(sharding, dtype):
         copy = real(sharding, dtype)
@@ -490,7 +493,7 @@ def copy_peaks(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(ckpt_lib, "_copy_fn", spied)
+    monkeypatch.setattr(donation, "_copy_fn", spied)
     return peaks
 
 
@@ -571,10 +574,10 @@ def _worker(directory: str, other: str) -> None:
     assert ck.save(2, make_state(flip=("w1", 13)), data_position=2)
     ck.wait()
     ck.close()
-    ckpt_lib._sync("saved")
+    multihost.sync("saved")
     if me == 0:
         _swap_in_state_of(Path(other) / "2", Path(directory) / "2")
-    ckpt_lib._sync("damaged")
+    multihost.sync("damaged")
     warnings: list[str] = []
     restored, _, step = checkpointer(Path(directory), warnings=warnings).restore_latest(
         abstract(state), donatable=True
@@ -630,7 +633,7 @@ def _two_workers(tmp_path, port: int) -> list[dict]:
     return results
     run = tmp_path / "run"
     assert sorted(os.listdir(run)) == ["1", "2.corrupt-checksum"]
-    part = json.loads((run / "1" / integrity.MANIFEST_PART.format(1)).read_text())
+    part = json.loads((run / "1" / manifest_lib.MANIFEST_PART.format(1)).read_text())
     assert set(part["shards"]["['params']['w1']"]) == {f"{r}:{r + 2},0:64" for r in (8, 10, 12, 14)}
-    main = integrity.read_manifest(run / "1")
+    main = manifest_lib.read_manifest(run / "1")
     assert main["process_count"] == 2 and len(main["leaves"]["['params']['w1']"]["shards"]) == 8

@@ -36,7 +36,8 @@ import pytest
 
 import models
 from tests.trainer_cli import launch, run_in_process, shared_compilation_cache
-from train import integrity
+from train import manifest as manifest_lib
+from train import run_dir as run_dir_lib
 from train.faults import KILL_POINTS
 
 MODEL = "tiny_mlp_for_fault_tests"
@@ -394,7 +395,7 @@ def test_step_without_manifest_falls_back_to_the_newest_valid_one(tmp_path, refe
     # The README's promise: a step whose manifest is missing is set aside, saying why, and the
     # run resumes from the newest step that verifies (not from step 0).
     run_dir = copy_of(reference, tmp_path)
-    (run_dir / "checkpoints" / "8" / integrity.MANIFEST).unlink()
+    (run_dir / "checkpoints" / "8" / manifest_lib.MANIFEST).unlink()
     code, out = train(run_dir)
     assert code == 0, out
     assert "  step 8: no-manifest: no manifest.json" in out, out
@@ -479,7 +480,7 @@ def test_disk_full_names_the_last_valid_step(tmp_path, reference):
 
 def test_second_process_on_the_run_directory_exits_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
-    lock = integrity.RunLock(run_dir)  # this test process is the first trainer
+    lock = run_dir_lib.RunLock(run_dir)  # this test process is the first trainer
     try:
         code, out = train_in_child(run_dir)  # a second process: it must name this one
         assert code == 5 and f"pid {os.getpid()}" in out and "in use" in out, out

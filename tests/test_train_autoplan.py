@@ -282,7 +282,7 @@ def test_tiny_transformer_picks_reversible_by_default_trains_and_resumes_bitwise
     import numpy as np
 
     from train import autoplan
-    from train.integrity import CheckpointError
+    from train.errors import CheckpointError
 
     def cfg(run_dir):
         return cfg_for(
@@ -349,7 +349,7 @@ LM = ["model.name=transformer", "data.source=corpus"]
 def test_resolve_reads_every_form_into_a_plan():
     import models
     from train import remat as remat_lib
-    from train.autoplan import AutoRequest
+    from train.config import AutoRequest
 
     presets = models.get("transformer").remat_presets
     resolve = lambda *o: remat_lib.resolve(load_config(None, [*LM, *o]))  # noqa: E731
@@ -403,7 +403,7 @@ def test_offload_check_on_the_plan(monkeypatch):
 
 
 def test_auto_request_passes_only_the_keys_given():
-    from train.autoplan import AutoRequest
+    from train.config import AutoRequest
 
     plain = AutoRequest.from_config({"policy": "auto", "budget": "1GiB"})
     assert plain.planner_kwargs() == {"flops_per_second": 1e12, "memory_bandwidth": 1e11}

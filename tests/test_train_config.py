@@ -225,10 +225,10 @@ def test_the_public_names_stay_importable_from_train_config():
 
 
 def test_resume_safe_keys_are_read_from_the_schema_marks(monkeypatch):
-    from train import integrity
+    from train import run_dir
     from train.config import Train, is_resume_safe, resume_safe_keys
 
-    assert not hasattr(integrity, "RESUME_SAFE")  # no hand-kept list beside the schema
+    assert not hasattr(run_dir, "RESUME_SAFE")  # no hand-kept list beside the schema
     for key in (
         "name",
         "run_dir",
@@ -289,7 +289,7 @@ def _dumped(*overrides: str) -> dict:
 
 
 def test_raising_train_steps_alone_stretches_a_cosine_schedule_and_is_unsafe():
-    from train.integrity import config_diff, config_hash
+    from train.run_dir import config_diff, config_hash
 
     old, new = _dumped("train.steps=1000"), _dumped("train.steps=1500")
     unsafe, safe = config_diff(old, new)
@@ -299,7 +299,7 @@ def test_raising_train_steps_alone_stretches_a_cosine_schedule_and_is_unsafe():
 
 
 def test_extending_with_the_old_schedule_span_is_a_safe_change():
-    from train.integrity import config_diff, config_hash
+    from train.run_dir import config_diff, config_hash
 
     old = _dumped("train.steps=1000")
     new = _dumped("train.steps=1500", "optim.schedule_steps=1000")
@@ -313,7 +313,7 @@ def test_extending_with_the_old_schedule_span_is_a_safe_change():
 
 
 def test_a_constant_schedule_does_not_care_how_long_the_run_is():
-    from train.integrity import config_diff, config_hash
+    from train.run_dir import config_diff, config_hash
 
     old = _dumped("optim.schedule=constant", "train.steps=1000")
     new = _dumped("optim.schedule=constant", "train.steps=1500")
@@ -322,7 +322,7 @@ def test_a_constant_schedule_does_not_care_how_long_the_run_is():
 
 
 def test_other_changes_keep_their_verdicts():
-    from train.integrity import config_diff, config_hash
+    from train.run_dir import config_diff, config_hash
 
     old = _dumped()
     cadence = _dumped(

@@ -25,10 +25,11 @@ import models
 from tests.gradients import rel_err
 from tests.tiny_models import TinyOptions
 from tests.trainer_cli import shared_compilation_cache
-from train import init_from, loop
+from train import autoplan, init_from, loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Optim, load_config
+from train.experiment import build_experiment
 
 DENSE = "tiny_dense_for_feature_tests"
 
@@ -208,7 +209,7 @@ def test_planner_plans_the_micro_batch(tmp_path, monkeypatch):
         seen.update(batch)
         raise Planned
 
-    monkeypatch.setattr(loop.autoplan, "load_or_plan", capture)
+    monkeypatch.setattr(autoplan, "load_or_plan", capture)
     auto = ("model.name=revnet38", "remat={policy: auto, budget: 1MiB}", "data.batch_size=64")
     auto = (*auto, "train.grad_accum=4")
     with pytest.raises(Planned):
@@ -227,7 +228,7 @@ def _temp_bytes(text: str) -> float:
 
 def _initial_state(cfg):
     # The state a run of cfg starts from (its run directory has no checkpoint).
-    exp = loop.build_experiment(cfg, say=lambda s: None)
+    exp = build_experiment(cfg, say=lambda s: None)
     ckpt = Checkpointer(exp.run_dir / "checkpoints", cfg.checkpoint, config_hash="", warn=print)
     try:
         return loop.restore_or_init(exp, ckpt, allow_dtype_cast=False, allow_config_change=False)

@@ -21,7 +21,7 @@ import remat_nn as rn
 from models import transformer as tf
 from tests.trainer_cli import ROOT, run_in_process, shared_compilation_cache
 from train import fused as fused_lib
-from train import integrity, loop
+from train import loop, run_dir
 from train import state as state_lib
 from train.config import Optim, load_config
 
@@ -156,7 +156,7 @@ def test_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path):
         cfg = _cfg(tmp_path / "chain", *filter(None, [leg]))
         if i:  # the CLI resumes with the other step without --allow-config-change
             old = yaml.safe_load((tmp_path / "chain" / "config.yaml").read_text())
-            unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
+            unsafe, safe = run_dir.config_diff(old, cfg.model_dump(mode="json"))
             assert not unsafe and len(safe) == 1, (unsafe, safe)
         got = loop.run(cfg, stop_after=2)
         assert got.resumed_from == (2 * i or None) and got.step == 2 * i + 2

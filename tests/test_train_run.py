@@ -29,10 +29,11 @@ from tests.gradients import rel_err
 from tests.ports import held_port
 from tests.tiny_models import TinyOptions
 from tests.trainer_cli import launch, shared_compilation_cache
-from train import loop
+from train import donation, loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Checkpoint, load_config
+from train.errors import DonationError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "tiny_mlp_for_train_tests"
@@ -203,20 +204,20 @@ def _toy_step(state, batch):
 def test_donation_is_verified_and_its_absence_fails_loudly():
     batch = jnp.ones(4)
     donated = jax.jit(_toy_step, donate_argnums=0).lower(_toy_state(), batch).compile()
-    assert state_lib.verify_donation(donated, _toy_state()) >= 4 * 4 * 4 + 4 * 4
+    assert donation.verify_donation(donated, _toy_state()) >= 4 * 4 * 4 + 4 * 4
     state = _toy_state()
     old = jax.tree_util.tree_leaves_with_path(state)
     state, _ = donated(state, batch)
-    state_lib.verify_donated_inputs_deleted(old)
+    donation.verify_donated_inputs_deleted(old)
 
     copied = jax.jit(_toy_step).lower(_toy_state(), batch).compile()
-    with pytest.raises(state_lib.DonationError, match="aliases 0 bytes"):
-        state_lib.verify_donation(copied, _toy_state())
+    with pytest.raises(DonationError, match="aliases 0 bytes"):
+        donation.verify_donation(copied, _toy_state())
     kept = _toy_state()
     old = jax.tree_util.tree_leaves_with_path(kept)
     copied(kept, batch)
-    with pytest.raises(state_lib.DonationError, match="not consumed"):
-        state_lib.verify_donated_inputs_deleted(old)
+    with pytest.raises(DonationError, match="not consumed"):
+        donation.verify_donated_inputs_deleted(old)
 
 
 def states_differ(got, want) -> dict[str, float]:
@@ -466,9 +467,9 @@ def test_start_up_refusal_on_process_0_stops_every_process_with_its_code(tmp_pat
     assert "ConfigChangedError: the config differs" in changed[0][1]
     assert "ConfigChangedError: process 0 failed at start-up" in changed[1][1]
 
-    from train import integrity
+    from train import run_dir as run_dir_lib
 
-    lock = integrity.RunLock(run_dir)  # another trainer holds the run directory
+    lock = run_dir_lib.RunLock(run_dir)  # another trainer holds the run directory
     try:
         locked = _launch(run_dir)
     finally:

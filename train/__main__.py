@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Before any JAX computation: multi-process setup.
-    from train.errors import SetupError
+    from train.errors import SetupError, TrainError
     from train.sharding import initialize_distributed
 
     try:
@@ -138,27 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import remat_nn as rn
-    from train.integrity import CheckpointUnavailableError
-    from train.loop import (
-        CheckpointError,
-        ConfigChangedError,
-        NonFiniteError,
-        RunLockedError,
-        run,
-    )
-    from train.state import DonationError
+    from train.loop import run
 
-    # Only the errors that name a fix are reported without a traceback; anything else is a bug
-    # or an environment failure and propagates (exit 1 with its traceback).
-    codes = {
-        NonFiniteError: 3,
-        CheckpointUnavailableError: 6,  # before its base class CheckpointError
-        CheckpointError: 4,
-        ConfigChangedError: 4,
-        RunLockedError: 5,
-        SetupError: 2,
-        DonationError: 1,
-    }
     try:
         result = run(
             cfg,
@@ -169,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             allow_dtype_cast=args.allow_dtype_cast,
             max_consecutive_skips=args.max_consecutive_skips,
         )
-    except tuple(codes) as e:
+    except TrainError as e:
+        # Only the errors that name a fix are reported without a traceback, with their exit
+        # code; anything else is a bug or an environment failure and propagates (exit 1 with
+        # its traceback).
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return next(code for kind, code in codes.items() if isinstance(e, kind))
+        return e.exit_code
     except rn.PlanError as e:
         # A plan name the traced model never produces (a model.module's names are known only
         # when traced): the config's plan, or one the module itself names.

@@ -28,205 +28,14 @@ import yaml
 
 import remat_nn as rn
 from train import losses as losses_lib
+from train import multihost
 from train import state as state_lib
+from train.config import AutoRequest
 from train.errors import SetupError
 
-__all__ = [
-    "PLAN_FILE",
-    "AutoChoice",
-    "AutoRequest",
-    "is_auto",
-    "load_or_plan",
-    "read_choice",
-    "request_errors",
-]
+__all__ = ["PLAN_FILE", "AutoChoice", "load_or_plan", "read_choice"]
 
 PLAN_FILE = "remat_plan.yaml"
-
-_KEYS = (
-    "policy",
-    "budget",
-    "allow",
-    "host_bandwidth",
-    "flops_per_second",
-    "memory_bandwidth",
-    "variants",
-)
-_RATES = ("host_bandwidth", "flops_per_second", "memory_bandwidth")
-
-
-def is_auto(remat: Any) -> bool:
-    """Whether a config's ``remat`` asks for the planner.
-
-    >>> is_auto({"policy": "auto", "budget": "2GiB"}), is_auto({"save": ["query_proj"]})
-    (True, False)
-    """
-    return isinstance(remat, Mapping) and remat.get("policy") == "auto"
-
-
-def request_errors(remat: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The problems of a ``{policy: auto, ...}`` mapping, as ``(dotted path, message)`` pairs.
-
-    >>> request_errors({"policy": "auto", "budget": "2GiB", "allow": ["save", "offload"]})
-    []
-    >>> [path for path, _ in request_errors({"policy": "auto", "bugdet": 2})]
-    ['remat.bugdet', 'remat.budget']
-    """
-    errors = [
-        (f"remat.{k}", f"unknown key for policy: auto; valid: {sorted(_KEYS)}")
-        for k in remat
-        if k not in _KEYS
-    ]
-    if "budget" not in remat:
-        errors.append(("remat.budget", "policy: auto needs a budget, e.g. budget: 2GiB or 0.5"))
-    else:
-        try:
-            rn.parse_budget(remat["budget"], reference_bytes=1)
-        except (TypeError, ValueError) as e:
-            errors.append(("remat.budget", str(e)))
-    allow = remat.get("allow", ["save"])
-    if (
-        not isinstance(allow, list)
-        or "save" not in allow
-        or not set(allow) <= set(("save", "offload", "recompute"))
-    ):
-        hint = ""
-        if isinstance(allow, list) and "invert" in allow:
-            hint = "; invert is not per name: build a reversible model (model.options.reversible)"
-        errors.append(
-            ("remat.allow", f"must list 'save' and any of offload, recompute; got {allow!r}{hint}")
-        )
-    for k in _RATES:
-        v = remat.get(k, 1.0)
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-            errors.append((f"remat.{k}", f"must be a positive number, got {v!r}"))
-    variants = remat.get("variants", {})
-    if not isinstance(variants, Mapping):
-        errors.append(
-            (
-                "remat.variants",
-                "must map a label to the model options of that form, e.g. {nested: "
-                "{scan_levels: 2}}, or be {} (none of the model's forms); "
-                f"got {variants!r}",
-            )
-        )
-        return errors
-    for label, options in variants.items():
-        if not isinstance(label, str) or not (options is None or isinstance(options, Mapping)):
-            errors.append(
-                (
-                    f"remat.variants.{label}",
-                    f"must be the model options of that form (e.g. {{scan_levels: 2}}), or null "
-                    f"to drop the model's form of that label; got {options!r}",
-                )
-            )
-        elif options is not None and not options:
-            errors.append(
-                (
-                    f"remat.variants.{label}",
-                    "is empty: a form with no options is the model as configured. Fix: give its "
-                    "options (e.g. {scan_levels: 2}), or null to drop the model's form",
-                )
-            )
-    return errors
-
-
-@dataclass(frozen=True)
-class AutoRequest:
-    """``remat: {policy: auto, budget: ...}``: a plan for the budget planner to choose at start.
-
-    Attributes:
-      budget: bound on the step's temp memory, as :func:`remat_nn.parse_budget` reads it
-        (``"2GiB"``, bytes, or a fraction of the no-remat memory such as ``0.5``).
-      allow: the actions the planner may use; None: the planner's default.
-      host_bandwidth: bytes per second to host and back, for offload; None: the planner's.
-      flops_per_second: recompute speed of the cost model (fixed, not measured: the same
-        choice on every process and every rerun).
-      memory_bandwidth: bytes per second of a saved value's write and read, likewise fixed.
-      variants: the config's ``variants``, as ``(label, ((option, value), ...) or None)``
-        pairs: added to (or, by label, replacing; None: dropping) the model's own forms; ``()``
-        (``variants: {}``): none at all; None (no ``variants`` key): the model's forms.
-
-    >>> AutoRequest.from_config({"policy": "auto", "budget": 0.5}).planner_kwargs()
-    {'flops_per_second': 1000000000000.0, 'memory_bandwidth': 100000000000.0}
-    """
-
-    budget: str | int | float
-    allow: tuple[str, ...] | None = None
-    host_bandwidth: float | None = None
-    flops_per_second: float = 1e12
-    memory_bandwidth: float = 1e11
-    variants: tuple[tuple[str, tuple[tuple[str, Any], ...] | None], ...] | None = None
-
-    @classmethod
-    def from_config(cls, remat: Mapping[str, Any]) -> AutoRequest:
-        """The request a config's ``{policy: auto, ...}`` mapping makes.
-
-        Raises:
-          ValueError: the mapping has problems (:func:`request_errors`), all of them listed.
-        """
-        problems = request_errors(remat) if is_auto(remat) else [("remat", "not policy: auto")]
-        if problems:
-            raise ValueError(
-                "remat: {policy: auto, ...} is not a valid request: "
-                + "; ".join(f"{path}: {msg}" for path, msg in problems)
-            )
-        allow = remat.get("allow")
-        return cls(
-            budget=remat["budget"],
-            allow=None if allow is None else tuple(allow),
-            host_bandwidth=remat.get("host_bandwidth"),
-            flops_per_second=float(remat.get("flops_per_second", 1e12)),
-            memory_bandwidth=float(remat.get("memory_bandwidth", 1e11)),
-            variants=None
-            if "variants" not in remat
-            else tuple(
-                (label, None if options is None else tuple(options.items()))
-                for label, options in remat["variants"].items()
-            ),
-        )
-
-    def forms(self, model_variants: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-        """The forms the planner may fall back on: ``model_variants`` (the model's own,
-        :attr:`models.ModelSpec.variants`) with the config's ``variants`` added by label.
-
-        Raises:
-          SetupError: ``{label: null}`` drops a form the model does not offer.
-
-        >>> own = {"reversible": {"reversible": True}}
-        >>> AutoRequest(1, variants=(("nested", (("scan_levels", 2),)),)).forms(own)
-        {'reversible': {'reversible': True}, 'nested': {'scan_levels': 2}}
-        >>> AutoRequest(1, variants=()).forms(own), AutoRequest(1).forms(own) == own
-        ({}, True)
-        """
-        if self.variants is None:
-            return {label: dict(o) for label, o in model_variants.items()}
-        if not self.variants:
-            return {}
-        out = {label: dict(o) for label, o in model_variants.items()}
-        for label, options in self.variants:
-            if options is not None:
-                out[label] = dict(options)
-            elif label in out:
-                del out[label]
-            else:
-                raise SetupError(
-                    f"remat.variants.{label}: null drops the model's form {label!r}, but the "
-                    f"model offers {sorted(model_variants) or 'none'}. Fix: drop that key, or "
-                    "give the form's options"
-                )
-        return out
-
-    def planner_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`remat_nn.plan_for_budget` besides the budget."""
-        kwargs: dict[str, Any] = {}
-        if self.allow is not None:
-            kwargs["allow"] = list(self.allow)
-        if self.host_bandwidth is not None:
-            kwargs["host_bandwidth"] = self.host_bandwidth
-        kwargs["flops_per_second"] = self.flops_per_second
-        kwargs["memory_bandwidth"] = self.memory_bandwidth
-        return kwargs
 
 
 @dataclass(frozen=True)
@@ -319,56 +128,27 @@ def load_or_plan(
         shown = "" if choice.variant is None else f" (variant {choice.variant})"
         say(f"remat plan (auto, from {path}): {choice.plan}{shown}")
         return choice
-
-    loss_of_outputs = loss  # `loss` below is the planned function of the parameters
-
-    def planned(overrides: Mapping[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        # The loss of the model with `overrides` under `policy=`, and its abstract arguments.
-        fixed = "remat" in overrides  # the form's own plan: the planner's does not apply
-
-        def loss(params, batch_stats, batch, key, *, policy):
-            fn = state_lib.make_loss_fn(
-                build(None if fixed else policy, overrides),
-                compute_dtype=compute_dtype,
-                has_batch_stats=has_bn,
-                loss=loss_of_outputs,
-            )
-            return fn(params, batch_stats, batch, key)[0]
-
-        state = abstract_state(overrides)
-        has_bn = bool(jax.tree.leaves(state.batch_stats))
-        return loss, (state.params, state.batch_stats, batch, jax.random.key(0))
-
+    planned = functools.partial(
+        _form_loss,
+        build=build,
+        abstract_state=abstract_state,
+        batch=batch,
+        compute_dtype=compute_dtype,
+        loss=loss,
+    )
     forms = request.forms(model_variants or {})
-    variants = {}
-    for label, options in forms.items():
-        try:  # traced on shapes: a variant that does not build fails here, not mid-plan
-            loss, args = planned(options)
-            jax.eval_shape(functools.partial(loss, policy=rn.Plan()), *args)
-        except Exception as e:  # pydantic's, flax's and the model's own errors vary
-            given = dict(request.variants or ()).get(label) is not None
-            fix = (
-                f"fix or drop remat.variants.{label} (a form that takes no per-name plan sets "
-                "its own remat, e.g. {reversible: true, remat: none})"
-                if given
-                else f"drop it with remat.variants: {{{label}: null}} (and report it: the model "
-                "offers it)"
-            )
-            raise SetupError(
-                f"remat.variants.{label}: the model with options {options} does not build or "
-                f"does not run ({type(e).__name__}: {str(e)[:300]}). Fix: {fix}."
-            ) from e
-        variants[label] = (loss, args)
+    variants = {
+        label: _checked_form(label, options, request, planned) for label, options in forms.items()
+    }
     if variants:
         say(f"remat auto: forms to fall back on: {', '.join(variants)}")
-
     # Fixed speeds (not measured ones) keep the choice identical on every process and every
     # rerun; override with remat.flops_per_second / memory_bandwidth. Nothing is timed: the state
     # is abstract here, so the choice is the cost model's.
-    loss, args = planned({})
+    fn, args = planned({})
     try:
         report = rn.plan_for_budget(
-            loss,
+            fn,
             *args,
             budget=request.budget,
             measure=False,
@@ -383,10 +163,67 @@ def load_or_plan(
     choice = AutoChoice(report.plan, dict(options), report.variant)
     if choice.policy is None:
         say(f"remat auto: variant {choice.variant} sets remat={options['remat']!r} itself")
-    if write and jax.process_index() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        header = "".join(f"# {line}\n" for line in str(report).splitlines())
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(header + choice.to_yaml())
-        tmp.replace(path)
+    if write and multihost.is_main():
+        _write_plan(path, report, choice)
     return choice
+
+
+def _form_loss(
+    overrides: Mapping[str, Any],
+    *,
+    build: Callable[..., Any],
+    abstract_state: Callable[[Mapping[str, Any]], Any],
+    batch: dict[str, jax.ShapeDtypeStruct],
+    compute_dtype: Any,
+    loss: losses_lib.LossFn,
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    # The loss of the model with `overrides` under `policy=`, and its abstract arguments.
+    fixed = "remat" in overrides  # the form's own plan: the planner's does not apply
+    state = abstract_state(overrides)
+    has_bn = bool(jax.tree.leaves(state.batch_stats))
+
+    def planned(params, batch_stats, batch, key, *, policy):
+        fn = state_lib.make_loss_fn(
+            build(None if fixed else policy, overrides),
+            compute_dtype=compute_dtype,
+            has_batch_stats=has_bn,
+            loss=loss,
+        )
+        return fn(params, batch_stats, batch, key)[0]
+
+    return planned, (state.params, state.batch_stats, batch, jax.random.key(0))
+
+
+def _checked_form(
+    label: str,
+    options: Mapping[str, Any],
+    request: AutoRequest,
+    planned: Callable[[Mapping[str, Any]], tuple[Callable[..., Any], tuple[Any, ...]]],
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    # A form to fall back on, traced on shapes: one that does not build fails here, not mid-plan.
+    try:
+        fn, args = planned(options)
+        jax.eval_shape(functools.partial(fn, policy=rn.Plan()), *args)
+    except Exception as e:  # pydantic's, flax's and the model's own errors vary
+        given = dict(request.variants or ()).get(label) is not None
+        fix = (
+            f"fix or drop remat.variants.{label} (a form that takes no per-name plan sets "
+            "its own remat, e.g. {reversible: true, remat: none})"
+            if given
+            else f"drop it with remat.variants: {{{label}: null}} (and report it: the model "
+            "offers it)"
+        )
+        raise SetupError(
+            f"remat.variants.{label}: the model with options {options} does not build or "
+            f"does not run ({type(e).__name__}: {str(e)[:300]}). Fix: {fix}."
+        ) from e
+    return fn, args
+
+
+def _write_plan(path: Path, report: Any, choice: AutoChoice) -> None:
+    # The planner's report as a comment above the choice, renamed into place.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "".join(f"# {line}\n" for line in str(report).splitlines())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + choice.to_yaml())
+    tmp.replace(path)

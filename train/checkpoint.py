@@ -13,7 +13,7 @@ step is complete (its manifest written), so a kill at any moment leaves a usable
 Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
 restores onto 1 and back.
 
-Integrity (:mod:`train.integrity`): each step gets a manifest once orbax has renamed it into
+Integrity (:mod:`train.manifest`): each step gets a manifest once orbax has renamed it into
 place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches the
 restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
 leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
@@ -49,8 +49,6 @@ leaf it replaces, so the peak is the state plus one leaf.
 from __future__ import annotations
 
 import errno
-import functools
-import re
 import shutil
 import sys
 import threading
@@ -62,16 +60,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from train import faults
-from train import integrity as integ
+from train import faults, multihost
+from train import manifest as manifest_lib
+from train import restore_verdicts as verdicts
 from train.config import Checkpoint
-from train.integrity import CheckpointError, CheckpointUnavailableError
+from train.donation import refit
+from train.durable import fsync_dir
+from train.errors import CheckpointError, CheckpointUnavailableError
+from train.run_dir import remove_stale_tmp
 from train.state import TrainState
 
-__all__ = ["CheckpointError", "CheckpointUnavailableError", "Checkpointer", "rematerialize"]
+__all__ = ["Checkpointer"]
 
 
 def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class Checkpointer:
       directory: the checkpoints folder (created if missing; orbax temporary directories left by
         killed saves are removed).
       cfg: the ``checkpoint`` config section.
-      config_hash: this run's :func:`train.integrity.config_hash`; recorded in each step's
+      config_hash: this run's :func:`train.run_dir.config_hash`; recorded in each step's
         manifest and checked on restore (``""``, the default, records and checks nothing).
       warn: where warnings about rejected steps go (default: stderr).
     """
@@ -173,7 +174,7 @@ class Checkpointer:
         self._warn = warn or (lambda s: print(s, file=sys.stderr, flush=True))
         self.directory = Path(directory).absolute()
         # Removed before orbax lists the steps (orbax's own cleanup runs in the background).
-        self.removed_tmp = integ.remove_stale_tmp(self.directory) if _is_main() else []
+        self.removed_tmp = remove_stale_tmp(self.directory) if multihost.is_main() else []
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(cfg.every),
             # Orbax deletes old steps as soon as a new one is renamed into place, before its
@@ -201,7 +202,11 @@ class Checkpointer:
 
     def verified_steps(self) -> list[int]:
         """Steps that have a manifest (checked against their bytes only on restore)."""
-        return [s for s in self.all_steps() if (self.directory / str(s) / integ.MANIFEST).exists()]
+        return [
+            s
+            for s in self.all_steps()
+            if (self.directory / str(s) / manifest_lib.MANIFEST).exists()
+        ]
 
     # --- save -------------------------------------------------------------------------------------
 
@@ -234,8 +239,8 @@ class Checkpointer:
         tree = _state_tree(state)
         # The device-to-host copies the crc32s need start first, to overlap the NaN/Inf check
         # (reduced on the devices: no host copy of the state) and orbax's own copies.
-        copies = integ.HostCopies(tree)
-        bad = integ.nonfinite_leaves(tree)
+        copies = manifest_lib.HostCopies(tree)
+        bad = manifest_lib.nonfinite_leaves(tree)
         if bad:
             raise CheckpointError(
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
@@ -271,7 +276,9 @@ class Checkpointer:
             self._manifest_writer.start()
         return started
 
-    def _write_manifest(self, step: int, head: dict[str, Any], copies: integ.HostCopies) -> None:
+    def _write_manifest(
+        self, step: int, head: dict[str, Any], copies: manifest_lib.HostCopies
+    ) -> None:
         # Background: checksum the host copies (while orbax writes), then once orbax has renamed
         # the step into place, add this process's manifest.
         try:
@@ -283,15 +290,15 @@ class Checkpointer:
         step_dir = self.directory / str(step)
         if not step_dir.is_dir():
             return
-        if _is_main():
+        if multihost.is_main():
             faults.kill_if("after_finalize_before_cleanup", step)
-            integ.write_manifest(step_dir, {**head, "leaves": records})
+            manifest_lib.write_manifest(step_dir, {**head, "leaves": records})
             if _complete(step_dir):
-                integ.mark_checkpointed(self.directory, step)
+                manifest_lib.mark_checkpointed(self.directory, step)
         else:
             me = jax.process_index()
             shards = {path: r["shards"] for path, r in records.items() if r.get("shards")}
-            integ.write_manifest(
+            manifest_lib.write_manifest(
                 step_dir, {"step": step, "process": me, "shards": shards}, process=me
             )
 
@@ -302,7 +309,7 @@ class Checkpointer:
         if self._save_error is not None:
             error, self._save_error = self._save_error, None
             raise self._write_error(self._saving, error) from error
-        if _is_main():
+        if multihost.is_main():
             self._prune()
 
     def _prune(self) -> None:
@@ -312,12 +319,12 @@ class Checkpointer:
         complete: dict[int, dict[str, Any]] = {}
         for step in self.all_steps():
             try:
-                complete[step] = integ.read_manifest(self.directory / str(step))
+                complete[step] = manifest_lib.read_manifest(self.directory / str(step))
             except (ValueError, OSError):
                 continue
         if not complete:
             return
-        integ.mark_checkpointed(self.directory, max(complete))
+        manifest_lib.mark_checkpointed(self.directory, max(complete))
         keep = set(sorted(complete)[-self.cfg.keep :])
         if self.cfg.keep_best:
             name = self.cfg.best_metric
@@ -327,11 +334,11 @@ class Checkpointer:
             keep |= set(ranked[: self.cfg.keep_best])
         doomed = sorted(set(complete) - keep)
         for step in doomed:
-            gone = self.directory / f"{step}{integ.DELETING}"
+            gone = self.directory / f"{step}{manifest_lib.DELETING}"
             (self.directory / str(step)).rename(gone)
             shutil.rmtree(gone, ignore_errors=True)
         if doomed:
-            integ.fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._manager.reload()
 
     def _write_error(self, step: int | None, error: BaseException) -> CheckpointError:
@@ -412,102 +419,152 @@ class Checkpointer:
             jax.tree_util.keystr(p): {"shape": list(x.shape), "dtype": str(x.dtype)}
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         }
-        rejected: list[str] = []
-        unfinished: list[str] = []  # no manifest: killed after orbax's rename, before the manifest
-        aside: list[str] = []  # both, newest first
+        aside = verdicts.SetAside()
         for step in sorted(self.all_steps(), reverse=True):
             # 1. Its manifest: complete, readable, fits the state, written with this config.
-            code, text, manifest = self._check_manifest(
+            manifest = self._agreed_manifest(
                 step,
                 expected,
+                aside,
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
-            mine = code
-            code, text = _agree(code, text)
-            if code == _STORAGE:
-                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
-            if code in (_MISFIT, _CONFIG):
-                if code != mine:
-                    text = f"checkpoint step {step} in {self.directory} is refused ({text})"
-                raise CheckpointError(text)
-            if code != _OK:
-                aside.append(self._reject(step, text))
-                (unfinished if code == _UNFINISHED else rejected).append(aside[-1])
+            if manifest is None:
                 continue
             # 2. Its bytes, restored in the saved dtypes and checked leaf by leaf.
-            faults.kill_if("during_restore", step)
-            restored: tuple[TrainState, dict[str, Any]] | None = None
-            try:
-                restored = self._restore_verified(step, tree, manifest)
-            except _Damaged as e:
-                code, text = _CHECKSUM, str(e)
-            except Exception as e:  # orbax could not read it: truncated or missing files
-                code, text = _UNREADABLE, _unreadable(self.directory / str(step), e, tree)
-                if _storage_failure(e):  # the storage, not the step: set nothing aside
-                    code, text = _STORAGE, f"{type(e).__name__}: {e}"
-            code, text = _agree(code, text)
-            if code == _STORAGE:
-                if restored is not None:
-                    _delete(restored[0])
-                raise CheckpointUnavailableError(_storage_message(step, self.directory, text))
-            if restored is None or code != _OK:
-                if restored is not None:
-                    _delete(restored[0])
-                aside.append(self._reject(step, text))
-                rejected.append(aside[-1])
+            restored = self._agreed_restore(step, tree, manifest, aside)
+            if restored is None:
                 continue
-            if rejected or unfinished:
+            if aside.lines:
                 self._set_aside_done()
             state, meta = restored
-            written = manifest.get("config_hash") or ""
-            if self.config_hash and written and written != self.config_hash:
-                self._warn(
-                    f"WARNING: step {step} was written with another config (config hash "
-                    f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
-                    "this run's config (allowed)."
-                )
-            saved = manifest["leaves"]
-            cast = [
-                f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
-                for p, e in expected.items()
-                if saved[p]["dtype"] != e["dtype"]
-            ]
-            if cast:
-                self._warn(
-                    f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n"
-                    + "\n".join(cast)
-                )
-            state = TrainState(**_refit(_state_tree(state), tree, copy_all=donatable))
+            state = self._accept(step, state, manifest, expected, tree, donatable=donatable)
             return state, meta, step
-        if rejected:
+        self._none_usable(aside)
+        return None
+
+    def _agreed_manifest(
+        self,
+        step: int,
+        expected: dict[str, Any],
+        aside: verdicts.SetAside,
+        *,
+        allow_dtype_cast: bool,
+        allow_config_change: bool,
+    ) -> dict[str, Any] | None:
+        # The step's manifest if every process accepts it; None once the step is set aside.
+        code, text, manifest = self._check_manifest(
+            step,
+            expected,
+            allow_dtype_cast=allow_dtype_cast,
+            allow_config_change=allow_config_change,
+        )
+        mine = code
+        code, text = verdicts.agree(code, text)
+        if code == verdicts.STORAGE:
+            raise CheckpointUnavailableError(verdicts.storage_message(step, self.directory, text))
+        if code in (verdicts.MISFIT, verdicts.CONFIG):
+            if code != mine:
+                text = f"checkpoint step {step} in {self.directory} is refused ({text})"
+            raise CheckpointError(text)
+        if code != verdicts.OK:
+            aside.add(self._reject(step, text), unfinished=code == verdicts.UNFINISHED)
+            return None
+        return manifest
+
+    def _agreed_restore(
+        self, step: int, tree: dict[str, Any], manifest: dict[str, Any], aside: verdicts.SetAside
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        # The step's state and meta if every process verified its bytes; None once set aside.
+        faults.kill_if("during_restore", step)
+        restored: tuple[TrainState, dict[str, Any]] | None = None
+        code, text = verdicts.OK, ""
+        try:
+            restored = self._restore_verified(step, tree, manifest)
+        except verdicts.Damaged as e:
+            code, text = verdicts.CHECKSUM, str(e)
+        except Exception as e:  # orbax could not read it: truncated or missing files
+            code, text = (
+                verdicts.UNREADABLE,
+                verdicts.unreadable(self.directory / str(step), e, tree),
+            )
+            if verdicts.storage_failure(e):  # the storage, not the step: set nothing aside
+                code, text = verdicts.STORAGE, f"{type(e).__name__}: {e}"
+        code, text = verdicts.agree(code, text)
+        if code == verdicts.STORAGE:
+            if restored is not None:
+                _delete(restored[0])
+            raise CheckpointUnavailableError(verdicts.storage_message(step, self.directory, text))
+        if restored is None or code != verdicts.OK:
+            if restored is not None:
+                _delete(restored[0])
+            aside.add(self._reject(step, text), unfinished=False)
+            return None
+        return restored
+
+    def _accept(
+        self,
+        step: int,
+        state: TrainState,
+        manifest: dict[str, Any],
+        expected: dict[str, Any],
+        target: dict[str, Any],
+        *,
+        donatable: bool,
+    ) -> TrainState:
+        # The verified state in the dtypes of `target` (the config's state), each leaf in a
+        # fresh buffer with `donatable`; a warning for each thing allowed.
+        written = manifest.get("config_hash") or ""
+        if self.config_hash and written and written != self.config_hash:
+            self._warn(
+                f"WARNING: step {step} was written with another config (config hash "
+                f"{written[:12]}, this run's {self.config_hash[:12]}); resuming with "
+                "this run's config (allowed)."
+            )
+        saved = manifest["leaves"]
+        cast = [
+            f"  {p}: {saved[p]['dtype']} -> {e['dtype']}"
+            for p, e in expected.items()
+            if saved[p]["dtype"] != e["dtype"]
+        ]
+        if cast:
+            self._warn(
+                f"WARNING: step {step}: casting {len(cast)} leaves (allowed):\n" + "\n".join(cast)
+            )
+        return TrainState(**refit(_state_tree(state), target, copy_all=donatable))
+
+    def _none_usable(self, aside: verdicts.SetAside) -> None:
+        # No step was restored: refuse when steps were damaged or the run had checkpointed
+        # once, else (only unfinished saves, or none at all) the run starts at step 0.
+        if aside.damaged:
             self._set_aside_done()
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; every step was rejected (and moved "
-                "aside):\n" + "\n".join(aside) + "\nNothing was restored and training did not "
-                "start. Fix: restore the directory from a backup, or --restart to start at step 0."
+                "aside):\n"
+                + "\n".join(aside.lines)
+                + "\nNothing was restored and training did not start. Fix: restore the "
+                "directory from a backup, or --restart to start at step 0."
             )
-        if unfinished:
+        if aside.unfinished:
             self._set_aside_done()
-        if integ.checkpointed(self.directory):
+        if manifest_lib.checkpointed(self.directory):
             # A step of this run was complete once: starting over would silently retrain it.
-            found = "\n".join(aside) or "  (no step is left in it)"
+            found = "\n".join(aside.lines) or "  (no step is left in it)"
             earlier = sorted(p.name for p in self.directory.iterdir() if ".corrupt-" in p.name)
             raise CheckpointError(
                 f"{self.directory} held complete checkpoints of this run (marker "
-                f"{integ.CHECKPOINTED}), but none is usable now:\n{found}\n"
+                f"{manifest_lib.CHECKPOINTED}), but none is usable now:\n{found}\n"
                 + (f"Set aside earlier: {', '.join(earlier)}.\n" if earlier else "")
                 + "Nothing was restored and training did not start. Fix: restore the directory "
                 "from a backup (or move a set-aside step back), or --restart to start at step 0."
             )
-        if unfinished:
+        if aside.unfinished:
             # Only saves that never finished (like orbax's own temporary directories): there is
             # no complete checkpoint, so the run starts at step 0, and says so.
             self._warn(
                 "WARNING: no finished checkpoint; starting at step 0. Set aside:\n"
-                + "\n".join(unfinished)
+                + "\n".join(aside.unfinished)
             )
-        return None
 
     def _check_manifest(
         self,
@@ -519,12 +576,20 @@ class Checkpointer:
     ) -> tuple[int, str, dict[str, Any]]:
         # This process's verdict on a step's manifest: (code, reason, manifest).
         try:
-            manifest = integ.read_manifest(self.directory / str(step))
+            manifest = manifest_lib.read_manifest(self.directory / str(step))
         except OSError as e:
-            return _STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
+            return verdicts.STORAGE, f"reading its manifest: {type(e).__name__}: {e}", {}
         except ValueError as e:
-            return (_UNFINISHED if str(e).startswith("no-manifest") else _BAD_MANIFEST), str(e), {}
-        problems = integ.structure_problems(
+            return (
+                (
+                    verdicts.UNFINISHED
+                    if str(e).startswith("no-manifest")
+                    else verdicts.BAD_MANIFEST
+                ),
+                str(e),
+                {},
+            )
+        problems = manifest_lib.structure_problems(
             manifest["leaves"], expected, allow_dtype_cast=allow_dtype_cast
         )
         if problems:
@@ -536,14 +601,14 @@ class Checkpointer:
                 "directory), another run_dir, or --restart; if only dtypes differ, "
                 "--allow-dtype-cast converts them."
             )
-            return _MISFIT, misfit, manifest
+            return verdicts.MISFIT, misfit, manifest
         written = manifest.get("config_hash") or ""  # absent in manifests of older versions
         if self.config_hash and written and written != self.config_hash and not allow_config_change:
-            changed = CONFIG_CHANGED.format(
+            changed = verdicts.CONFIG_CHANGED.format(
                 step=step, directory=self.directory, written=written[:12], now=self.config_hash[:12]
             )
-            return _CONFIG, changed, manifest
-        return _OK, "", manifest
+            return verdicts.CONFIG, changed, manifest
+        return verdicts.OK, "", manifest
 
     def _restore_verified(
         self, step: int, tree: dict[str, Any], manifest: dict[str, Any]
@@ -567,14 +632,14 @@ class Checkpointer:
             problems: list[str] = []
             for path, x in jax.tree_util.tree_leaves_with_path(_state_tree(state)):
                 key = jax.tree_util.keystr(path)
-                problems = integ.checksum_problems(key, x, leaves[key])
+                problems = manifest_lib.checksum_problems(key, x, leaves[key])
                 if problems:
                     break
             if not problems and meta != manifest["meta"]:
                 problems = [f"checksum: meta {meta} does not match its manifest {manifest['meta']}"]
             if problems:
                 more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
-                raise _Damaged(problems[0] + more)
+                raise verdicts.Damaged(problems[0] + more)
         except BaseException:
             _delete(state)  # before the next step is restored: one state at a time
             raise
@@ -585,7 +650,7 @@ class Checkpointer:
         aside = self.directory / f"{step}.corrupt-{reason.split(':')[0]}"
         while aside.exists():
             aside = aside.with_name(aside.name + "-again")
-        if _is_main():  # every process has finished reading it: the verdict was agreed
+        if multihost.is_main():  # every process has finished reading it: the verdict was agreed
             step_dir.rename(aside)
         line = f"  step {step}: {reason}; moved to {aside.name}"
         self._warn(f"WARNING: checkpoint rejected:\n{line}")
@@ -594,7 +659,7 @@ class Checkpointer:
     def _set_aside_done(self) -> None:
         # Every process lists the steps again only once process 0 has moved them aside, so all
         # agree on which steps exist (a later save of the same step number is not skipped).
-        _sync("checkpoint-set-aside")
+        multihost.sync("checkpoint-set-aside")
         self._manager.reload()
 
     # --- end --------------------------------------------------------------------------------------
@@ -620,187 +685,16 @@ class Checkpointer:
                 raise
 
 
-def _unreadable(step_dir: Path, error: Exception, tree: dict[str, Any]) -> str:
-    # Why orbax could not read a step, naming the leaf when TensorStore's error gives its
-    # kvstore path ('path': 'params.Dense_0.kernel/') and the file when orbax's tree metadata
-    # is gone (orbax then reports only a pytree structure error).
-    if not (step_dir / "state" / "_METADATA").exists():
-        return "unreadable: state/_METADATA is missing (orbax's tree metadata)"
-    message = str(error)
-    first = message.strip().splitlines()[0][:300] if message.strip() else ""
-    dotted = {_orbax_key(path): path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    named = [p for p in re.findall(r"'path': '([^'/][^']*?)/?'", message) if p in dotted]
-    leaf = f"leaf {jax.tree_util.keystr(dotted[named[-1]])}: " if named else ""
-    return f"unreadable: {leaf}{type(error).__name__}: {first}"
-
-
-def _orbax_key(path: tuple[Any, ...]) -> str:
-    # The name orbax stores a leaf under: ['opt_state'][0][0].trace -> opt_state.0.0.trace
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
-class _Damaged(ValueError):
-    """A restored step whose bytes do not match its manifest."""
-
-
-# A process's verdict on a step. Combined over processes by the largest, so this is also the
-# order of precedence: a refusal (raised) over damage (set aside) over an unfinished save.
-_OK, _UNFINISHED, _BAD_MANIFEST, _UNREADABLE, _CHECKSUM, _STORAGE, _MISFIT, _CONFIG = range(8)
-_KINDS = {
-    _UNFINISHED: "no-manifest",
-    _BAD_MANIFEST: "bad-manifest",
-    _UNREADABLE: "unreadable",
-    _CHECKSUM: "checksum",
-    _STORAGE: "storage-error",
-    _MISFIT: "misfit",
-    _CONFIG: "config-changed",
-}
-
-CONFIG_CHANGED = """\
-checkpoint step {step} in {directory} was written with another config (config hash {written}, \
-this run's {now}): the config changed since it was written, in keys that change what the run \
-computes. Fix: rerun with the run's config (config.yaml in the run directory), pass \
---allow-config-change to resume this state with the new config, or --restart to start at step 0."""
-
-
-# Errors of the storage rather than of the bytes stored: the step may read fine once it is back.
-_STORAGE_ERRNOS = {
-    errno.EIO,
-    errno.EAGAIN,
-    errno.EACCES,
-    errno.EPERM,
-    errno.ETIMEDOUT,
-    errno.ESTALE,
-    errno.ENOTCONN,
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-    errno.EHOSTDOWN,
-    errno.EHOSTUNREACH,
-    errno.ENETDOWN,
-    errno.ENETUNREACH,
-    errno.ENOMEM,
-    errno.EMFILE,
-    errno.ENFILE,
-    errno.EINTR,
-}
-# TensorStore's status codes for the same (its errors are ValueErrors named by their status).
-_STORAGE_STATUSES = (
-    "UNAVAILABLE",
-    "DEADLINE_EXCEEDED",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "ABORTED",
-    "CANCELLED",
-)
-
-
-def _storage_failure(error: BaseException) -> bool:
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
-            return True
-        if str(cause).lstrip().startswith(_STORAGE_STATUSES):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
-def _storage_message(step: int, directory: Path, reason: str) -> str:
-    return (
-        f"reading checkpoint step {step} in {directory} failed with a storage error ({reason}). "
-        "That is no evidence of damage: nothing was set aside and training did not start. Fix: "
-        "rerun the same command once the storage is reachable again."
-    )
-
-
-def _agree(code: int, reason: str) -> tuple[int, str]:
-    # The verdict of the process that found the worst (one small all-gather per step), so every
-    # process accepts, sets aside or refuses the same step; the reason is local when it is ours.
-    if jax.process_count() == 1:
-        return code, reason
-    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
-    worst = int(codes.max())
-    if worst == code:
-        return code, reason
-    who = int(np.argmax(codes))
-    return worst, f"{_KINDS[worst]}: found by process {who}, whose log says where"
-
-
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def _delete(tree: Any) -> None:
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
 
 
-@functools.lru_cache(maxsize=64)  # a few shardings per run; evicting only recompiles
-def _copy_fn(sharding: Any, dtype: Any) -> Any:
-    # A jitted copy (or cast): its output is a buffer XLA allocated. jnp.copy, because a jitted
-    # identity may hand back its input.
-    def copy(x: jax.Array) -> jax.Array:
-        return jnp.copy(x) if dtype is None else x.astype(dtype)
-
-    return jax.jit(copy, out_shardings=sharding)
-
-
-def _refit(tree: Any, target: Any, *, copy_all: bool) -> Any:
-    # Leaf by leaf: cast each leaf whose dtype differs from its target's (with copy_all, copy
-    # every other one too) and delete the leaf it replaces, so the peak is the tree plus one
-    # leaf. A leaf object found at two paths is deleted after its last copy.
-    leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(target)
-    last = {id(x): i for i, x in enumerate(leaves)}
-    out = []
-    for i, (x, t) in enumerate(zip(leaves, targets, strict=True)):
-        dtype = jnp.dtype(t.dtype)
-        if x.dtype == dtype and not copy_all:
-            out.append(x)
-            continue
-        out.append(_copy_fn(t.sharding, None if x.dtype == dtype else dtype)(x))
-        if isinstance(x, jax.Array) and last[id(x)] == i:
-            x.delete()
-    return treedef.unflatten(out)
-
-
-def rematerialize(state: Any, shardings: Any) -> Any:
-    """Every leaf of ``state`` in a fresh XLA-owned buffer, so the next step can donate it.
-
-    Restored arrays are not guaranteed to own donatable buffers (jax#18617: the first step after
-    a restore kept two copies of the state). Each leaf is copied by a jitted program and then
-    deleted before the next one is copied, so the peak is the state plus one leaf, not twice the
-    state as a copy of the whole tree at once would be. The leaves of ``state`` are deleted: use
-    only the result.
-
-    Args:
-      state: a pytree of arrays.
-      shardings: a pytree like ``state`` holding the sharding each copy gets.
-
-    Returns:
-      A pytree like ``state`` with the same values.
-
-    >>> old = {"w": jnp.ones(3)}
-    >>> new = rematerialize(old, {"w": old["w"].sharding})
-    >>> old["w"].is_deleted(), new["w"].tolist()
-    (True, [1.0, 1.0, 1.0])
-    """
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
-    return _refit(state, target, copy_all=True)
-
-
-def _is_main() -> bool:
-    return jax.process_index() == 0
-
-
 def _complete(step_dir: Path) -> bool:
     # Every process's manifest part is there (shared storage).
     try:
-        integ.read_manifest(step_dir)
+        manifest_lib.read_manifest(step_dir)
     except (ValueError, OSError):
         return False
     return True

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from train import sharding as sharding_lib
 from train import state as state_lib
-
-if TYPE_CHECKING:
-    from train.loop import Experiment
+from train.experiment import Experiment
 
 __all__ = ["dry_run_report"]
 

@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from train import integrity as integ
-from train.checkpoint import rematerialize
+from train import manifest as manifest_lib
 from train.config import InitFrom
-from train.integrity import CheckpointError
+from train.donation import rematerialize
+from train.errors import CheckpointError
 from train.state import TrainState
 
 __all__ = ["init_state", "source_step"]
@@ -39,18 +39,22 @@ def source_step(path: str | Path) -> Path:
       CheckpointError: no such directory, or no step with a manifest under it.
     """
     p = Path(path).expanduser().absolute()
-    if p.name.isdigit() and (p / integ.MANIFEST).exists():
+    if p.name.isdigit() and (p / manifest_lib.MANIFEST).exists():
         return p
     ckpts = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     steps = sorted(
-        (int(d.name) for d in ckpts.iterdir() if d.name.isdigit() and (d / integ.MANIFEST).exists())
+        (
+            int(d.name)
+            for d in ckpts.iterdir()
+            if d.name.isdigit() and (d / manifest_lib.MANIFEST).exists()
+        )
         if ckpts.is_dir()
         else []
     )
     if not steps:
         raise CheckpointError(
             f"init_from.path={str(path)!r}: no finished checkpoint there (looked for step "
-            f"directories with a {integ.MANIFEST} in {ckpts}). Fix: a run directory, its "
+            f"directories with a {manifest_lib.MANIFEST} in {ckpts}). Fix: a run directory, its "
             "checkpoints/ directory, or one step directory of a run that saved."
         )
     return ckpts / str(steps[-1])
@@ -71,7 +75,7 @@ def init_state(spec: InitFrom, abstract: TrainState, fresh: TrainState) -> Train
     step_dir = source_step(spec.path)
     fields = _FIELDS[spec.what]
     target = {f: getattr(abstract, f) for f in fields}
-    manifest = integ.read_manifest(step_dir)
+    manifest = manifest_lib.read_manifest(step_dir)
     _check_structure(manifest["leaves"], target, step_dir, spec.what)
     restored = ocp.PyTreeCheckpointer().restore(
         step_dir / "state",
@@ -82,7 +86,7 @@ def init_state(spec: InitFrom, abstract: TrainState, fresh: TrainState) -> Train
         ),
     )
     for path, x in jax.tree_util.tree_leaves_with_path(restored):
-        problems = integ.checksum_problems(
+        problems = manifest_lib.checksum_problems(
             jax.tree_util.keystr(path), x, manifest["leaves"][jax.tree_util.keystr(path)]
         )
         if problems:
@@ -106,7 +110,7 @@ def _check_structure(
     }
     prefixes = tuple(f"['{f}']" for f in target)
     taken = {k: v for k, v in saved.items() if k.startswith(prefixes)}
-    problems = integ.structure_problems(taken, expected, allow_dtype_cast=False)
+    problems = manifest_lib.structure_problems(taken, expected, allow_dtype_cast=False)
     if problems:
         raise CheckpointError(
             f"init_from: {step_dir} does not fit this run's "

@@ -1,13 +1,14 @@
 """The train loop: ``run(cfg)`` trains, evaluates, checkpoints and logs one configured run.
 
-A run takes five named steps, each a function below, read top to bottom:
+A run takes five named steps, read in :func:`run` top to bottom:
 
-1. :func:`start` — lock the run directory (a second trainer exits naming the holder) and refuse
-   a config that changed since the checkpoints were written (with the diff). Process 0 decides
-   and every process learns the verdict, so on failure all processes exit at once with the same
-   error instead of waiting for the coordinator's timeout.
-2. :func:`build_experiment` — data, model, mesh, optimizer, and the train step compiled ahead of
-   time with the whole :class:`TrainState` donated (proved from XLA's alias bytes).
+1. :func:`train.run_dir.start` — lock the run directory (a second trainer exits naming the
+   holder) and refuse a config that changed since the checkpoints were written (with the diff).
+   Process 0 decides and every process learns the verdict, so on failure all processes exit at
+   once with the same error instead of waiting for the coordinator's timeout.
+2. :func:`train.experiment.build_experiment` — data, model, mesh, optimizer, and the train step
+   compiled ahead of time with the whole :class:`TrainState` donated (proved from XLA's alias
+   bytes).
 3. :func:`restore_or_init` — resume, in this order (unless ``restart``):
      a. find the newest *verified* checkpoint (orbax renames a step directory into place only
         when its save finished; its manifest must match its leaves' shapes, dtypes and
@@ -28,12 +29,9 @@ A run takes five named steps, each a function below, read top to bottom:
 
 from __future__ import annotations
 
-import json
-import math
-import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,54 +39,42 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import yaml
 from tqdm import tqdm
 
-import models
-from remat_nn._memory import format_bytes
-from train import autoplan, faults, init_from, integrity, multihost
 from train import data as data_lib
-from train import fused as fused_lib
-from train import losses as losses_lib
-from train import remat as remat_lib
+from train import donation, faults, init_from, multihost, run_dir
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.checkpoint import Checkpointer
-from train.config import Config, dump_config
+from train.config import Config
 from train.dry_run import dry_run_report
-from train.errors import SetupError
-from train.integrity import CheckpointError, ConfigChangedError, RunLockedError
-from train.metrics_file import trim_metrics
+from train.errors import (
+    CheckpointError,
+    ConfigChangedError,
+    NonFiniteError,
+    RunLockedError,
+    SetupError,
+)
+from train.experiment import Experiment, build_experiment, schedule_steps
+from train.metrics_file import MetricsLog, trim_metrics
 from train.profile import ProfileWindow
 from train.save_timer import SaveTimer
 from train.state import TrainState
 
+# With the errors run() raises (defined in train.errors), for its callers.
 __all__ = [
     "CheckpointError",
     "ConfigChangedError",
-    "Experiment",
     "NonFiniteError",
     "RunLockedError",
     "RunResult",
     "SetupError",
-    "build_experiment",
+    "evaluate",
     "finish",
     "restore_or_init",
     "run",
-    "start",
     "train_loop",
 ]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN/Inf and ``train.on_nonfinite`` is ``halt``.
-
-    The last checkpoint (saved before the bad step, and only after its steps were checked) is
-    kept. Fix: lower ``optim.lr``, add ``optim.clip_norm``, warm up longer, or set
-    ``train.on_nonfinite=skip`` to drop the bad updates. Also raised by ``skip`` after
-    ``max_consecutive_skips`` bad steps in a row.
-    """
 
 
 @dataclass
@@ -150,23 +136,23 @@ def run(
       ConfigChangedError: the config changed since the checkpoints were written.
       RunLockedError: another process trains into the same run directory.
       SetupError: the config does not fit the data, the devices or the machine.
-      state_lib.DonationError: the step did not donate the state.
+      DonationError: the step did not donate the state.
     """
     t_start = time.perf_counter()
-    say = _printer(out, jax.process_index() == 0)
+    say = _printer(out, multihost.is_main())
     if dry_run:
         exp = build_experiment(cfg, say=say, out=out, restart=False, dry_run=True)
         dry_run_report(exp)
         return RunResult(0, None, run_dir=exp.run_dir, seconds=_since(t_start))
 
-    lock = start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
+    lock = run_dir.start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
     try:
         exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
-        _prepare_run_dir(exp, restart=restart)
+        run_dir.prepare(exp.run_dir, restart=restart)
         ckpt = Checkpointer(
             exp.run_dir / "checkpoints",
             cfg.checkpoint,
-            config_hash=integrity.config_hash(cfg.model_dump(mode="json")),
+            config_hash=run_dir.config_hash(cfg.model_dump(mode="json")),
             warn=lambda s: print(s, file=sys.stderr, flush=True),
         )
         try:
@@ -178,7 +164,7 @@ def run(
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
-            _record_config(exp)
+            run_dir.record_config(exp.run_dir, cfg)
             if resume.step >= cfg.train.steps:
                 say(_already_complete(cfg, resume.step, exp.run_dir))
                 return RunResult(
@@ -208,404 +194,6 @@ def run(
             lock.release()
 
 
-# ============================== 1. start-up ==============================
-
-
-def start(
-    cfg: Config, *, restart: bool, allow_config_change: bool, say: Callable[[str], None]
-) -> integrity.RunLock | None:
-    """Locks the run directory and checks the config, on process 0; shared with every process.
-
-    Returns:
-      The lock (held by process 0 until the run returns; None elsewhere).
-
-    Raises:
-      RunLockedError, ConfigChangedError: on every process, when process 0's check fails.
-    """
-    run_dir = cfg.resolved_run_dir.absolute()
-    lock, failure = None, None
-    if jax.process_index() == 0:
-        try:
-            lock = integrity.RunLock(run_dir)
-            if not restart:  # refused before anything is built
-                _check_config_change(run_dir, cfg, allow=allow_config_change, say=say)
-        except Exception as e:
-            failure = e
-            if lock is not None:
-                lock.release()
-    try:
-        multihost.share_verdict(failure, what="start-up")
-        multihost.check_same_config(integrity.config_hash(cfg.model_dump(mode="json")))
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    return lock
-
-
-def _check_config_change(
-    run_dir: Path, cfg: Config, *, allow: bool, say: Callable[[str], None]
-) -> None:
-    # Only checkpoints make a changed config matter: without them the run starts afresh. A run
-    # directory that ever held one is checked even when every step was set aside since.
-    ckpts = run_dir / "checkpoints"
-    if not (run_dir / "config.yaml").exists() or not ckpts.is_dir():
-        return
-    if not integrity.checkpointed(ckpts) and not any(p.name.isdigit() for p in ckpts.iterdir()):
-        return
-    old = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    unsafe, safe = integrity.config_diff(old, cfg.model_dump(mode="json"))
-    if unsafe and not allow:
-        raise ConfigChangedError(
-            f"the config differs from the one {run_dir} was trained with (config.yaml):\n"
-            + "\n".join(unsafe)
-            + "\nFix: rerun with the old values, use another run_dir or --restart, or pass "
-            "--allow-config-change to resume with the new ones."
-        )
-    if unsafe or safe:
-        say("config changed since the last run (resuming):\n" + "\n".join(unsafe + safe))
-
-
-# ============================== 2. the experiment ==============================
-
-
-@dataclass
-class Experiment:
-    """Everything a run builds from its config before the first step.
-
-    Attributes:
-      cfg: the config.
-      dataset: the loaded data.
-      model: the flax module, with its remat plan and compute dtype.
-      options: the model's options as built (data-derived values filled in).
-      mesh: the device mesh; ``global_batch`` is split over all of it.
-      state_shardings: the train state's shardings (a pytree like the state).
-      abstract: the train state as ``ShapeDtypeStruct`` with shardings.
-      init: ``init() -> TrainState`` (jit it with ``out_shardings=state_shardings``).
-      tx: the optimizer.
-      step_fn: the train step before jit (the dry run measures it).
-      jit_kwargs: shardings and donation the step is compiled with.
-      train_step: the compiled step; ``train_step(state, batch)`` donates ``state``.
-      eval_step: the jitted eval step (adds to running sums).
-      auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
-      plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
-        ``variant`` may change the parameters); None otherwise.
-      loss: the :mod:`train.losses` function (``model.loss``).
-      metric_names: the metrics it reports (``accuracy`` for cross-entropy).
-    """
-
-    cfg: Config
-    dataset: data_lib.Dataset
-    model: Any
-    options: dict[str, Any]
-    mesh: jax.sharding.Mesh
-    global_batch: int
-    batch_sharding: Any
-    replicated: Any
-    state_shardings: Any
-    abstract: TrainState
-    init: Callable[[], TrainState]
-    tx: optax.GradientTransformation
-    step_fn: Callable[..., Any]
-    jit_kwargs: dict[str, Any]
-    train_step: Any
-    eval_step: Any
-    compute_dtype: Any
-    has_batch_stats: bool
-    say: Callable[[str], None]
-    out: Callable[[str], None] | None
-    plan_file: Path | None = None
-    auto_choice: autoplan.AutoChoice | None = None
-    loss: losses_lib.LossFn = losses_lib.cross_entropy
-    metric_names: tuple[str, ...] = ("accuracy",)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.cfg.resolved_run_dir.absolute()
-
-    @property
-    def is_main(self) -> bool:
-        return jax.process_index() == 0
-
-
-def build_experiment(
-    cfg: Config,
-    *,
-    say: Callable[[str], None],
-    out: Callable[[str], None] | None = None,
-    restart: bool = False,
-    dry_run: bool = False,
-) -> Experiment:
-    """Loads the data, builds the model and optimizer, and compiles the donated train step."""
-    is_main = jax.process_index() == 0
-    if cfg.train.compile_cache and not jax.config.jax_compilation_cache_dir:
-        cache_dir = Path(cfg.train.compile_cache).expanduser().absolute()
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    spec = _model_spec(cfg)
-    loss = _loss(cfg, spec)
-    dataset = data_lib.load(cfg.data, task=spec.task)
-    options = _model_options(cfg, spec, dataset)
-    # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
-    # (the model's default plan).
-    plan = remat_lib.resolve(cfg)
-
-    def build(p: Any, overrides: Mapping[str, Any] | None = None) -> Any:
-        # The model under plan p (None: its options' own remat); overrides: a variant's options.
-        return _build_model(
-            spec, remat_lib.model_options_with_plan({**options, **(overrides or {})}, p)
-        )
-
-    mesh = sharding_lib.make_mesh(cfg.mesh)
-    global_bs = _global_batch_size(cfg, mesh.size)
-    data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
-    batch_sh = sharding_lib.batch_sharding(mesh)
-    repl = sharding_lib.replicated(mesh)
-
-    tx, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
-    example = dataset.example_batch(1)
-    x_shape = jax.ShapeDtypeStruct(example["x"].shape, example["x"].dtype)
-    compute_dtype = jnp.dtype(cfg.train.compute_dtype)
-    plan_file = choice = None
-    if isinstance(plan, autoplan.AutoRequest):
-        # `remat: {policy: auto, budget: ...}`: plan once, on one device's batch, and keep the
-        # plan (and the model's form chosen) in the run directory so a resumed run builds the
-        # same model and compiles the same step. Each form is planned on its own state's shapes.
-        plan_file = cfg.resolved_run_dir.absolute() / autoplan.PLAN_FILE
-        if restart and is_main and not dry_run:
-            plan_file.unlink(missing_ok=True)
-        choice = autoplan.load_or_plan(
-            plan,
-            run_dir=plan_file.parent,
-            build=build,
-            abstract_state=lambda o: jax.eval_shape(
-                state_lib.make_init(build(None, o), tx, x_shape, seed=cfg.train.seed)
-            ),
-            batch={
-                # one device's micro-batch: the backward the step compiles holds its activations
-                k: jax.ShapeDtypeStruct(
-                    (global_bs // mesh.size // cfg.train.grad_accum, *v.shape[1:]), v.dtype
-                )
-                for k, v in example.items()
-            },
-            compute_dtype=compute_dtype,
-            say=say,
-            model_variants=spec.variants(options) if spec.variants else None,
-            write=is_main and not dry_run,
-            loss=loss,
-        )
-        # The chosen form (its options on the model's, its own remat if it sets one) and plan:
-        # the state below (parameters, shardings, optimizer) is built from this model.
-        options = {**options, **choice.model_options}
-        plan = choice.policy
-    model = build(plan)
-    init = state_lib.make_init(model, tx, x_shape, seed=cfg.train.seed)
-    unsharded = jax.eval_shape(init)
-    state_sh = sharding_lib.state_shardings(unsharded, mesh, min_size=cfg.mesh.fsdp_min_size)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unsharded, state_sh
-    )
-    has_bn = bool(jax.tree.leaves(abstract.batch_stats))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
-    say(
-        f"model {cfg.model.label}: {n_params:,} params | data {dataset.name}: "
-        f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "
-        f"mesh {dict(mesh.shape)} on {jax.process_count()} process(es), "
-        f"{jax.devices()[0].platform} | global batch {global_bs} ({global_bs // mesh.size}/device)"
-        + _accum_note(cfg.train.grad_accum, global_bs)
-    )
-    options = remat_lib.model_options_with_plan(options, plan)
-    remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
-    step_fn = state_lib.make_train_step(
-        model,
-        tx,
-        schedule,
-        compute_dtype=compute_dtype,
-        has_batch_stats=has_bn,
-        skip_nonfinite=cfg.train.on_nonfinite == "skip",
-        grad_accum=cfg.train.grad_accum,
-        loss=loss,
-    )
-    if cfg.train.update_in_backward:  # the same state, updated layer by layer in the backward
-        step_fn = fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
-    batch_abstract = {
-        k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
-        for k, v in example.items()
-    }
-    jit_kwargs = dict(
-        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0
-    )
-    # Compiled ahead of time, once: the same executable runs every step and is checked for
-    # donation before the first one.
-    train_step = jax.jit(step_fn, **jit_kwargs).lower(abstract, batch_abstract).compile()
-    metric_names = _metric_names(cfg, train_step)
-    eval_step = jax.jit(
-        state_lib.make_eval_step(
-            model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
-        ),
-        in_shardings=(state_sh, batch_sh, repl),
-        out_shardings=repl,
-        donate_argnums=2,
-    )
-    if cfg.train.verify_donation:
-        alias_bytes = state_lib.verify_donation(train_step, abstract)
-        say(f"donation: XLA aliases {format_bytes(alias_bytes)} per device (the whole train state)")
-    return Experiment(
-        cfg=cfg,
-        dataset=dataset,
-        model=model,
-        options=options,
-        mesh=mesh,
-        global_batch=global_bs,
-        batch_sharding=batch_sh,
-        replicated=repl,
-        state_shardings=state_sh,
-        abstract=abstract,
-        init=init,
-        tx=tx,
-        step_fn=step_fn,
-        jit_kwargs=jit_kwargs,
-        train_step=train_step,
-        eval_step=eval_step,
-        compute_dtype=compute_dtype,
-        has_batch_stats=has_bn,
-        say=say,
-        out=out,
-        plan_file=plan_file,
-        auto_choice=choice,
-        loss=loss,
-        metric_names=metric_names,
-    )
-
-
-def _loss(cfg: Config, spec: models.ModelSpec) -> losses_lib.LossFn:
-    # model.loss, else the task's: mean squared error for regression, else cross-entropy.
-    return losses_lib.resolve(
-        cfg.model.loss or ("mse" if spec.task == "regress" else "cross_entropy")
-    )
-
-
-def _metric_names(cfg: Config, train_step: Any) -> tuple[str, ...]:
-    # The loss's metrics, read off the compiled step's outputs; checkpoint.best_metric must be
-    # one of them (or the loss).
-    names = tuple(sorted(set(train_step.out_info[1]) - set(state_lib.STEP_METRICS)))
-    ranked = cfg.checkpoint.best_metric.removeprefix("eval_")
-    if cfg.checkpoint.keep_best and ranked != "loss" and ranked not in names:
-        raise SetupError(
-            f"checkpoint.best_metric={cfg.checkpoint.best_metric} ranks checkpoints by a metric "
-            f"the loss ({cfg.model.loss or 'the task default'}) does not report (it reports "
-            f"{list(names) or 'none'}). Fix: checkpoint.best_metric=eval_loss, or "
-            "checkpoint.keep_best=0."
-        )
-    return names
-
-
-def _model_spec(cfg: Config) -> models.ModelSpec:
-    # The config was checked against the registry on load; a module (model.module) that stopped
-    # importing since is reported like a config error.
-    try:
-        return cfg.model.spec()
-    except models.ModuleError as e:
-        raise SetupError(str(e)) from None
-
-
-def _build_model(spec: models.ModelSpec, options: dict[str, Any]) -> Any:
-    try:
-        return models.build(spec, **options)
-    except models.ModuleError as e:  # model.module's build returned something else than a Module
-        raise SetupError(str(e)) from None
-
-
-def _schedule_steps(cfg: Config) -> int:
-    # The steps the learning-rate schedule spans: extending a run keeps it (optim.schedule_steps).
-    return cfg.optim.schedule_steps or cfg.train.steps
-
-
-def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[str, Any]:
-    # Options the data decides (classes, vocabulary, image size and channels) are filled in when
-    # the model has them and the config does not set them; a set value must agree with the data.
-    # The compute dtype is one knob: train.compute_dtype sets the model's `dtype` option.
-    opts = dict(cfg.model.options)  # the remat plan is handed over by train.remat
-    fields = spec.options.model_fields
-    from_data: dict[str, int | None] = {
-        "num_classes": dataset.num_classes,
-        "vocab_size": dataset.vocab_size,
-    }
-    if dataset.task == "regress":
-        from_data["num_outputs"] = dataset.num_outputs
-    if dataset.task == "classify":
-        from_data["image_size"] = dataset.train_x.shape[1]
-        from_data["in_channels"] = dataset.train_x.shape[3]
-    for key, value in from_data.items():
-        if value is None or key not in fields:
-            continue
-        too_small = key in ("num_classes", "vocab_size") and opts.get(key, value) < value
-        differs = (
-            key in ("image_size", "in_channels", "num_outputs") and opts.get(key, value) != value
-        )
-        if too_small or differs:
-            raise SetupError(
-                f"model.options.{key}={opts[key]} does not fit the data ({dataset.name}: {value}). "
-                f"Fix: drop model.options.{key} (it is filled from the data)."
-            )
-        opts.setdefault(key, value)
-    if "dtype" in fields:
-        compute = cfg.train.compute_dtype
-        if str(opts.setdefault("dtype", compute)) != compute:
-            raise SetupError(
-                f"model.options.dtype={opts['dtype']} differs from train.compute_dtype={compute}. "
-                f"Fix: drop model.options.dtype; train.compute_dtype sets the model's compute "
-                "dtype (master weights stay float32)."
-            )
-    return opts
-
-
-def _global_batch_size(cfg: Config, num_devices: int) -> int:
-    if cfg.data.batch_size_per_device is not None:
-        bs = cfg.data.batch_size_per_device * num_devices
-    else:
-        bs = cfg.data.batch_size or 0
-        if bs % num_devices:
-            raise SetupError(
-                f"data.batch_size={bs} does not split over the mesh's {num_devices} devices. "
-                f"Fix: a multiple of {num_devices}, or set data.batch_size_per_device."
-            )
-    _check_grad_accum(bs, cfg.train.grad_accum, num_devices)
-    return bs
-
-
-def _accum_note(k: int, global_bs: int) -> str:
-    return f" in {k} micro-batches of {global_bs // k} (train.grad_accum)" if k > 1 else ""
-
-
-def _check_grad_accum(global_bs: int, k: int, num_devices: int) -> None:
-    # Each micro-batch is split over every device like the whole batch (state.micro_batch).
-    if global_bs % (k * num_devices):
-        raise SetupError(
-            f"train.grad_accum={k} does not split the global batch of {global_bs} into "
-            f"micro-batches that split over the mesh's {num_devices} devices (needs a multiple "
-            f"of {k * num_devices}). Fix: a global batch that is a multiple of {k * num_devices}, "
-            "or another train.grad_accum."
-        )
-
-
-def _prepare_run_dir(exp: Experiment, *, restart: bool) -> None:
-    # Process 0 clears a restarted run; the others wait for it.
-    if exp.is_main:
-        if restart and exp.run_dir.exists():
-            shutil.rmtree(exp.run_dir / "checkpoints", ignore_errors=True)
-            (exp.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            (exp.run_dir / "plot.png").unlink(missing_ok=True)
-        exp.run_dir.mkdir(parents=True, exist_ok=True)
-    multihost.sync("run_dir")
-
-
-def _record_config(exp: Experiment) -> None:
-    # Once the checkpoints were accepted under this config: a refused resume leaves the config
-    # the run was trained with, so the original command still resumes.
-    if exp.is_main:
-        integrity.write_text(exp.run_dir / "config.yaml", dump_config(exp.cfg))
-
-
 # ============================== 3. restore ==============================
 
 
@@ -625,7 +213,7 @@ def restore_or_init(
 
     Raises:
       CheckpointError: steps exist but none verifies, or the newest does not fit the config.
-      state_lib.DonationError: one buffer at two leaves of the state.
+      DonationError: one buffer at two leaves of the state.
     """
     # a, b, c: the newest verified step, restored onto this mesh with every leaf re-made in an
     # XLA-owned buffer one at a time (peak: the state plus one leaf), so the first step donates.
@@ -667,7 +255,7 @@ def restore_or_init(
             trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
         exp.say(f"resumed from {ckpt.directory / str(latest)} (step {resume.step})")
     # One buffer at two leaves would be donated twice; say which leaves, before the first step.
-    state_lib.check_distinct_buffers(state)
+    donation.check_distinct_buffers(state)
     return state, resume
 
 
@@ -687,12 +275,12 @@ def _warn_if_schedule_spent(exp: Experiment, step: int) -> None:
     # A resumed run whose learning rate is already 0 would take its remaining steps without
     # changing a parameter (an extension of a run whose cosine decayed to 0).
     cfg = exp.cfg
-    _, schedule = state_lib.make_optimizer(cfg.optim, _schedule_steps(cfg))
+    _, schedule = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg))
     if step == 0 or float(schedule(step)) != 0.0 or not exp.is_main:
         return
     print(
         f"WARNING: the learning rate is 0 at step {step}: the {cfg.optim.schedule} schedule "
-        f"ended at optim.schedule_steps={_schedule_steps(cfg)} with optim.final_lr_fraction="
+        f"ended at optim.schedule_steps={schedule_steps(cfg)} with optim.final_lr_fraction="
         f"{cfg.optim.final_lr_fraction}, so steps {step + 1}..{cfg.train.steps} will not change "
         "the parameters. Fix: a new schedule from here in a new run directory with init_from: "
         f"{{path: {exp.run_dir}, what: params}} (fresh optimizer state and warm-up), or "
@@ -704,7 +292,7 @@ def _warn_if_schedule_spent(exp: Experiment, step: int) -> None:
 
 
 def _already_complete(cfg: Config, step: int, run_dir: Path) -> str:
-    extend = f"train.steps=<more> optim.schedule_steps={_schedule_steps(cfg)}"
+    extend = f"train.steps=<more> optim.schedule_steps={schedule_steps(cfg)}"
     if cfg.optim.schedule == "constant":
         extend = "train.steps=<more>"
     return (
@@ -790,45 +378,6 @@ def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
     return {k: float(s[k]) / count for k in ("loss", *exp.metric_names)}
 
 
-class _MetricsFile:
-    """metrics.jsonl, one JSON line per log or eval (process 0 only)."""
-
-    def __init__(self, path: Path, *, enabled: bool):
-        self._f = open(path, "a") if enabled else None  # noqa: SIM115 (closed by close())
-
-    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-
-
-class _Tee:
-    """metrics.jsonl and the TensorBoard scalars (train.tensorboard), written together."""
-
-    def __init__(self, *logs: Any):
-        self.logs = logs
-
-    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
-        for log in self.logs:
-            log.record(split, step, values)
-
-    def close(self) -> None:
-        for log in self.logs:
-            log.close()
-
-
-def _with_tensorboard(exp: Experiment, log: _MetricsFile) -> _MetricsFile | _Tee:
-    if not (exp.is_main and exp.cfg.train.tensorboard):
-        return log
-    from train.tensorboard import TensorBoard
-
-    return _Tee(log, TensorBoard(exp.run_dir, exp.run_dir / "metrics.jsonl"))
-
-
 def train_loop(
     exp: Experiment,
     ckpt: Checkpointer,
@@ -840,140 +389,201 @@ def train_loop(
 ) -> Outcome:
     """Steps from ``resume`` to ``train.steps`` (or ``stop_after`` more, or a signal).
 
+    Each step: the donated train step, then (when due) the log, eval and checkpoint sections.
     ``state`` is donated to the first step: do not use it after the call.
     """
-    cfg = exp.cfg
-    total = cfg.train.steps
+    total = exp.cfg.train.steps
     end = total if stop_after is None else min(total, resume.step + stop_after)
-    nan_steps = faults.nan_steps()  # fault injection: these steps get a NaN batch
+    nan_steps = _nan_steps(exp)
+    session = _Session(exp, resume, end=end, max_consecutive_skips=max_consecutive_skips)
+    step, last_ckpt = resume.step, resume.checkpoint
+    last_eval: dict[str, float] | None = None
+    interrupted: str | None = None
+    try:
+        while step < end:
+            verify = step == resume.step and exp.cfg.train.verify_donation
+            state = session.step(state, step, nan=step + 1 in nan_steps, verify_donation=verify)
+            step += 1
+            due = session.due(step)
+            if due.log or due.eval or due.ckpt:
+                where = f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None else "none"
+                session.metrics.drain(step, last_good=where)
+            if due.log:
+                session.log_train(step)
+            if due.eval:
+                last_eval = session.evaluate(step, state)
+            if due.ckpt and session.save(
+                ckpt, step, state, evaluation=last_eval if due.eval else None, due=due
+            ):
+                last_ckpt = step
+            if due.stopping:
+                interrupted = session.stopped(step)
+                break
+    finally:
+        session.close(state)
+    return Outcome(step, state, last_eval, interrupted)
+
+
+def _nan_steps(exp: Experiment) -> set[int]:
+    # Fault injection: these steps get a NaN batch.
+    nan_steps = faults.nan_steps()
     if nan_steps and not jnp.issubdtype(exp.dataset.example_batch(1)["x"].dtype, jnp.floating):
         raise SetupError(
             f"{faults.ENV}: nan@<step> needs float inputs; {exp.dataset.name} has ints"
         )
-    batches = data_lib.Batches(
-        exp.dataset,
-        global_batch=exp.global_batch,
-        seed=cfg.train.seed,
-        augment=cfg.data.augment,
-        state=resume.data_state,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        prefetch=cfg.data.prefetch,
-        read_threads=cfg.data.read_threads,
-    )
-    metrics = _StepMetrics(
-        halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
-    )
-    log = _with_tensorboard(exp, _MetricsFile(exp.run_dir / "metrics.jsonl", enabled=exp.is_main))
-    stop = multihost.StopSignals()
-    timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
-    profile = ProfileWindow(cfg.train.profile, exp.run_dir, say=exp.say)
-    bar = tqdm(
-        total=total,
-        initial=resume.step,
-        disable=not _progress_enabled(cfg, exp.is_main),
-        dynamic_ncols=True,
-        unit="step",
-    )
-    say = exp.say if bar.disable else _printer(exp.out or tqdm.write, exp.is_main)
-    step, last_ckpt = resume.step, resume.checkpoint
-    last_eval: dict[str, float] | None = None
-    interrupted: str | None = None
-    t_log, step_log = time.perf_counter(), step
-    try:
-        while step < end:
-            # ============================== step ==============================
-            profile.at(step, state)
-            batch = sharding_lib.global_batch(next(batches), exp.batch_sharding)
-            if step + 1 in nan_steps:
-                batch = {**batch, "x": batch["x"] * jnp.nan}
-            first = step == resume.step and cfg.train.verify_donation
-            donated = jax.tree_util.tree_leaves_with_path(state) if first else None
-            state, step_metrics = exp.train_step(state, batch)  # donates `state`
-            del batch
-            if donated is not None:
-                state_lib.verify_donated_inputs_deleted(donated)
-                del donated
-            step += 1
-            metrics.pending.append(step_metrics)
-            bar.update(1)
-            faults.signal_if(step)
-            stopping = stop.stop_at(step)
-            is_log = step % cfg.train.log_every == 0 or step == end or stopping
-            every_eval = cfg.train.eval_every
-            is_eval = step == total or bool(every_eval and step % every_eval == 0)
-            timed = timer.due(synced=is_log)
-            is_ckpt = step % cfg.checkpoint.every == 0 or step == end or stopping or timed
-            if is_log or is_eval or is_ckpt:
-                where = f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None else "none"
-                metrics.drain(step, last_good=where)
+    return nan_steps
 
-            # ============================== log ==============================
-            if is_log:
-                now = time.perf_counter()
-                rate = (step - step_log) / max(now - t_log, 1e-9)
-                line = {
-                    "loss": metrics.mean("loss"),
-                    **{k: metrics.mean(k) for k in exp.metric_names},
-                    "grad_norm": metrics.mean("grad_norm"),
-                    "lr": metrics.lr,
-                    "steps_per_sec": rate,
-                    "examples_per_sec": rate * exp.global_batch,
-                    "epoch": batches.epoch,
-                    "skipped": metrics.skipped,
-                }
-                metrics.window.clear()
-                t_log, step_log = now, step
-                log.record("train", step, line)
-                say(
-                    f"step {step:>6}/{total} | loss {line['loss']:.4f} | "
-                    + "".join(f"{_short(k)} {line[k]:.3f} | " for k in exp.metric_names)
-                    + f"lr {line['lr']:.3g} | {rate:.2f} steps/s | "
-                    f"{rate * exp.global_batch:.0f} ex/s"
-                    + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
-                )
-                bar.set_postfix(
-                    loss=f"{line['loss']:.3f}",
-                    **{_short(k): f"{line[k]:.3f}" for k in exp.metric_names},
-                )
-            if is_eval:
-                last_eval = evaluate(exp, state)
-                log.record("eval", step, last_eval)
-                say(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
-                t_log = time.perf_counter()  # eval time does not count against steps/s
 
-            # ============================== checkpoint ==============================
-            if is_ckpt:
-                # Steps up to here were checked finite by the drain; this step's eval (if it had
-                # one) ranks the checkpoint for keep_best.
-                ranked = None
-                if is_eval and last_eval is not None:
-                    ranked = {f"eval_{k}": v for k, v in last_eval.items()}
-                force = step == end or stopping or timed
-                if ckpt.save(
-                    step,
-                    state,
-                    data_position=batches.position,
-                    data_state=batches.get_state(),
-                    metrics=ranked,
-                    force=force,
-                ):
-                    last_ckpt = step
-                    timer.saved()
-            if stopping:
-                interrupted = stop.agreed_name()
-                say(
-                    f"{interrupted}: saved checkpoint at step {step}; rerun the same command "
-                    "to resume"
-                )
-                break
-    finally:
-        profile.close(state)
-        batches.close()
-        bar.close()
-        stop.restore()
-        log.close()
-    return Outcome(step, state, last_eval, interrupted)
+@dataclass(frozen=True)
+class _Due:
+    """What follows a step: a log line, an eval, a checkpoint; and why it is saved."""
+
+    log: bool
+    eval: bool
+    ckpt: bool
+    stopping: bool  # a signal: checkpoint and stop
+    force: bool  # save whatever checkpoint.every says (the last step, a signal, the timer)
+
+
+class _Session:
+    """What :func:`train_loop` opens for its steps: the batches, metrics, log file, signal
+    handlers, save timer, profiler and progress bar; :meth:`close` closes them."""
+
+    def __init__(self, exp: Experiment, resume: Resume, *, end: int, max_consecutive_skips: int):
+        cfg = exp.cfg
+        self.exp, self.end = exp, end
+        self.batches = data_lib.Batches(
+            exp.dataset,
+            global_batch=exp.global_batch,
+            seed=cfg.train.seed,
+            augment=cfg.data.augment,
+            state=resume.data_state,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            prefetch=cfg.data.prefetch,
+            read_threads=cfg.data.read_threads,
+        )
+        self.metrics = _StepMetrics(
+            halt=cfg.train.on_nonfinite == "halt", max_consecutive_skips=max_consecutive_skips
+        )
+        self.log = MetricsLog(exp.run_dir, enabled=exp.is_main, tensorboard=cfg.train.tensorboard)
+        self.stop = multihost.StopSignals()
+        self.timer = SaveTimer(cfg.checkpoint.every_minutes, clock=_clock)
+        self.profile = ProfileWindow(cfg.train.profile, exp.run_dir, say=exp.say)
+        self.bar = tqdm(
+            total=cfg.train.steps,
+            initial=resume.step,
+            disable=not _progress_enabled(cfg, exp.is_main),
+            dynamic_ncols=True,
+            unit="step",
+        )
+        self.say = exp.say if self.bar.disable else _printer(exp.out or tqdm.write, exp.is_main)
+        self.t_log, self.step_log = time.perf_counter(), resume.step
+
+    def step(self, state: TrainState, step: int, *, nan: bool, verify_donation: bool) -> TrainState:
+        """Takes step ``step + 1``; its metrics stay on device until the next drain."""
+        self.profile.at(step, state)
+        batch = sharding_lib.global_batch(next(self.batches), self.exp.batch_sharding)
+        if nan:
+            batch = {**batch, "x": batch["x"] * jnp.nan}
+        donated = jax.tree_util.tree_leaves_with_path(state) if verify_donation else None
+        state, step_metrics = self.exp.train_step(state, batch)  # donates `state`
+        del batch
+        if donated is not None:
+            donation.verify_donated_inputs_deleted(donated)
+            del donated
+        self.metrics.pending.append(step_metrics)
+        self.bar.update(1)
+        faults.signal_if(step + 1)
+        return state
+
+    def due(self, step: int) -> _Due:
+        """What follows step ``step``; asks every process whether a signal stops the run here."""
+        cfg = self.exp.cfg
+        stopping = self.stop.stop_at(step)
+        is_log = step % cfg.train.log_every == 0 or step == self.end or stopping
+        every_eval = cfg.train.eval_every
+        is_eval = step == cfg.train.steps or bool(every_eval and step % every_eval == 0)
+        timed = self.timer.due(synced=is_log)
+        last = step == self.end or stopping
+        is_ckpt = step % cfg.checkpoint.every == 0 or last or timed
+        return _Due(log=is_log, eval=is_eval, ckpt=is_ckpt, stopping=stopping, force=last or timed)
+
+    def log_train(self, step: int) -> None:
+        """The train line: means over the window's finite steps, and the throughput."""
+        exp, metrics = self.exp, self.metrics
+        now = time.perf_counter()
+        rate = (step - self.step_log) / max(now - self.t_log, 1e-9)
+        line = {
+            "loss": metrics.mean("loss"),
+            **{k: metrics.mean(k) for k in exp.metric_names},
+            "grad_norm": metrics.mean("grad_norm"),
+            "lr": metrics.lr,
+            "steps_per_sec": rate,
+            "examples_per_sec": rate * exp.global_batch,
+            "epoch": self.batches.epoch,
+            "skipped": metrics.skipped,
+        }
+        metrics.window.clear()
+        self.t_log, self.step_log = now, step
+        self.log.record("train", step, line)
+        self.say(
+            f"step {step:>6}/{exp.cfg.train.steps} | loss {line['loss']:.4f} | "
+            + "".join(f"{_short(k)} {line[k]:.3f} | " for k in exp.metric_names)
+            + f"lr {line['lr']:.3g} | {rate:.2f} steps/s | "
+            f"{rate * exp.global_batch:.0f} ex/s"
+            + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
+        )
+        self.bar.set_postfix(
+            loss=f"{line['loss']:.3f}",
+            **{_short(k): f"{line[k]:.3f}" for k in exp.metric_names},
+        )
+
+    def evaluate(self, step: int, state: TrainState) -> dict[str, float]:
+        result = evaluate(self.exp, state)
+        self.log.record("eval", step, result)
+        self.say(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        self.t_log = time.perf_counter()  # eval time does not count against steps/s
+        return result
+
+    def save(
+        self,
+        ckpt: Checkpointer,
+        step: int,
+        state: TrainState,
+        *,
+        evaluation: dict[str, float] | None,
+        due: _Due,
+    ) -> bool:
+        """Saves step ``step`` (its steps were checked finite by the drain); True if it did.
+
+        This step's eval (if it had one) ranks the checkpoint for keep_best.
+        """
+        ranked = None if evaluation is None else {f"eval_{k}": v for k, v in evaluation.items()}
+        saved = ckpt.save(
+            step,
+            state,
+            data_position=self.batches.position,
+            data_state=self.batches.get_state(),
+            metrics=ranked,
+            force=due.force,
+        )
+        if saved:
+            self.timer.saved()
+        return saved
+
+    def stopped(self, step: int) -> str:
+        """The signal that stopped the run (agreed by every process), once it is saved."""
+        name = self.stop.agreed_name()
+        self.say(f"{name}: saved checkpoint at step {step}; rerun the same command to resume")
+        return name
+
+    def close(self, state: TrainState) -> None:
+        self.profile.close(state)
+        self.batches.close()
+        self.bar.close()
+        self.stop.restore()
+        self.log.close()
 
 
 # ============================== 5. finish ==============================

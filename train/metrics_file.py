@@ -1,10 +1,11 @@
-"""Reading and trimming ``metrics.jsonl``, so a crash at any moment loses no line of history.
+"""``metrics.jsonl``: appended, read and trimmed so a crash loses no line of history.
 
-The trainer appends one JSON line per log or eval. A kill can tear the last line (a partial
-write): readers skip a torn last line with a warning. On start-up the file is trimmed to the
-lines of the steps the run restarts from (lines past its checkpoint were logged by a run that
-was killed, and will be logged again); the trimmed copy is written to a temporary file, fsynced
-and renamed over the old one, so a kill during the rewrite leaves the old file or the new one.
+The trainer appends one JSON line per log or eval (:class:`MetricsLog`). A kill can tear the
+last line (a partial write): readers skip a torn last line with a warning. On start-up the file
+is trimmed to the lines of the steps the run restarts from (lines past its checkpoint were
+logged by a run that was killed, and will be logged again); the trimmed copy is written to a
+temporary file, fsynced and renamed over the old one, so a kill during the rewrite leaves the
+old file or the new one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,37 @@ from pathlib import Path
 from typing import Any
 
 from train import faults
+from train.durable import fsync_dir
 from train.errors import SetupError
-from train.integrity import fsync_dir
 
-__all__ = ["read_metrics", "trim_metrics"]
+__all__ = ["MetricsLog", "read_metrics", "trim_metrics"]
+
+
+class MetricsLog:
+    """metrics.jsonl, one JSON line per log or eval, and (``tensorboard``) the same scalars for
+    TensorBoard (:mod:`train.tensorboard`); written by process 0 only (``enabled``)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
+        path = run_dir / "metrics.jsonl"
+        self._f = open(path, "a") if enabled else None  # noqa: SIM115 (closed by close())
+        self._tensorboard: Any = None
+        if enabled and tensorboard:
+            from train.tensorboard import TensorBoard
+
+            self._tensorboard = TensorBoard(run_dir, path)
+
+    def record(self, split: str, step: int, values: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
+            self._f.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.record(split, step, values)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def _stderr(message: str) -> None:

@@ -16,15 +16,23 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train.errors import SetupError
-from train.integrity import (
+from train.errors import (
     CheckpointError,
     CheckpointUnavailableError,
     ConfigChangedError,
     RunLockedError,
+    SetupError,
 )
 
-__all__ = ["StopSignals", "check_same_config", "share_verdict", "sync"]
+__all__ = [
+    "StopSignals",
+    "check_same_config",
+    "is_main",
+    "process_0_decides",
+    "share_verdict",
+    "sync",
+    "worst_verdict",
+]
 
 # Start-up failures every process re-raises as the same class (any other: RuntimeError); a
 # subclass before its base.
@@ -38,13 +46,25 @@ _SHARED_ERRORS: tuple[type[Exception], ...] = (
 _MESSAGE_BYTES = 16384
 
 
+def is_main() -> bool:
+    """Whether this is process 0: the one that writes the run directory and reports."""
+    return jax.process_index() == 0
+
+
+def process_0_decides(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a broadcast); ``flag`` itself on one process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 def share_verdict(failure: BaseException | None, *, what: str) -> None:
     """Makes process 0's decision every process's: all raise the same error, or none does.
 
     Process 0 broadcasts whether (and how) its check failed; the others raise the same error
     class with process 0's message. On a single process it re-raises ``failure``.
     """
-    if jax.process_count() == 1 or jax.process_index() == 0:
+    if jax.process_count() == 1 or is_main():
         code, text = _encode_failure(failure)
     else:
         code, text = 0, ""
@@ -66,7 +86,7 @@ def share_verdict(failure: BaseException | None, *, what: str) -> None:
 def check_same_config(config_hash: str) -> None:
     """Raises SetupError on every process unless all were launched with the same config.
 
-    Compares :func:`train.integrity.config_hash` (the keys that change the computation) of every
+    Compares :func:`train.run_dir.config_hash` (the keys that change the computation) of every
     process: one all-gather of 64 bytes. A no-op on a single process.
     """
     if jax.process_count() == 1:
@@ -141,3 +161,18 @@ def sync(name: str) -> None:
     """A barrier: every process waits here until all have arrived."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def worst_verdict(code: int) -> tuple[int, int | None]:
+    """The largest of every process's ``code`` and the first process that found it.
+
+    One small all-gather, so every process takes the same decision (e.g. on a checkpoint step);
+    the process is None when the worst is this process's own code.
+    """
+    if jax.process_count() == 1:
+        return code, None
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+    worst = int(codes.max())
+    if worst == code:
+        return code, None
+    return worst, int(np.argmax(codes))

@@ -7,7 +7,7 @@ option (``model.options.remat``, with ``custom_plan`` for ``custom``), in one of
   model's ``remat_presets`` (the registry, :class:`models.ModelSpec`);
 - a per-name plan ``{save: [...], offload: [...], recompute: [...], default: recompute}``;
 - ``{policy: auto, budget: 2GiB, ...}``: a plan chosen by the budget planner at the start of the
-  run (:class:`train.autoplan.AutoRequest`, :func:`train.autoplan.load_or_plan`).
+  run (:class:`train.config.AutoRequest`, :func:`train.autoplan.load_or_plan`).
 
 :func:`resolve` gives a ``Plan``, :data:`NO_REMAT`, an ``AutoRequest`` or None (the config names
 no plan: the model's default stands); :func:`model_options_with_plan` hands the plan to the model
@@ -33,9 +33,7 @@ from typing import Any, Literal
 import jax
 
 import remat_nn as rn
-from train import autoplan
-from train.autoplan import AutoRequest
-from train.config import Config
+from train.config import AutoRequest, Config, is_auto
 from train.errors import SetupError
 
 __all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "resolve"]
@@ -53,7 +51,7 @@ def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
 
     Returns:
       The :class:`remat_nn.Plan`; :data:`NO_REMAT` for the preset ``none``; an
-      :class:`~train.autoplan.AutoRequest` for ``{policy: auto, ...}`` (plan it with
+      :class:`~train.config.AutoRequest` for ``{policy: auto, ...}`` (plan it with
       :func:`train.autoplan.load_or_plan`); None when the config names no plan (the model's
       default plan stands).
 
@@ -73,7 +71,7 @@ def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
             remat = options["custom_plan"]  # the transformer's own spelling of a per-name plan
     if remat is None or isinstance(remat, rn.Plan):
         return remat
-    if autoplan.is_auto(remat):
+    if is_auto(remat):
         return AutoRequest.from_config(remat)
     if isinstance(remat, Mapping):
         return rn.plan(remat)

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
+
+from train import multihost
 
 __all__ = ["SaveTimer"]
 
@@ -39,10 +39,7 @@ class SaveTimer:
         multi = jax.process_count() > 1
         if multi and not synced:
             return False
-        due = self._clock() - self._last >= self._seconds
-        if multi:
-            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
-        return due
+        return multihost.process_0_decides(self._clock() - self._last >= self._seconds)
 
     def saved(self) -> None:
         """A checkpoint was just saved: the interval starts again."""

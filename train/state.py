@@ -2,8 +2,7 @@
 
 The whole :class:`TrainState` is one pytree donated to the jitted step
 (``jax.jit(step, donate_argnums=0)``): XLA writes the new state into the old state's buffers, so a
-step holds one copy of params and optimizer state, not two. :func:`verify_donation` proves it
-happened, from XLA's own numbers and from the deleted input buffers.
+step holds one copy of params and optimizer state, not two (:mod:`train.donation` proves it).
 """
 
 from __future__ import annotations
@@ -21,13 +20,10 @@ import optax
 
 from train import losses as losses_lib
 from train.config import Optim
-from train.sharding import per_device_bytes
 
 __all__ = [
-    "DonationError",
     "TrainState",
     "accumulated_value_and_grad",
-    "check_distinct_buffers",
     "decay_mask",
     "decay_summary",
     "decayed_paths",
@@ -38,8 +34,6 @@ __all__ = [
     "make_train_step",
     "STEP_METRICS",
     "micro_batch",
-    "verify_donation",
-    "verify_donated_inputs_deleted",
 ]
 
 
@@ -51,16 +45,6 @@ class TrainState(NamedTuple):
     opt_state: Any  # optax state, leaves shaped like params (plus scalar counts)
     batch_stats: Any  # BatchNorm running statistics ({} for models without BatchNorm)
     rng: jax.Array  # (2,) uint32 raw key data; split once per step
-
-
-class DonationError(RuntimeError):
-    """The train step did not reuse the state's buffers: memory holds two copies of the state.
-
-    Typical causes: a leaf passed twice (two state fields sharing one buffer), an output whose
-    sharding or dtype differs from its input (then XLA cannot alias them), a restored array
-    whose buffer XLA does not own (re-materialise it with
-    :func:`train.checkpoint.rematerialize`, jax#18617).
-    """
 
 
 # --- optimizer ------------------------------------------------------------------------------------
@@ -400,100 +384,3 @@ def make_eval_step(
 def eval_zeros(metric_names: Sequence[str] = ("accuracy",)) -> dict[str, np.ndarray]:
     """The starting sums of :func:`make_eval_step` for a loss with these metrics."""
     return {k: np.zeros((), np.float32) for k in ("loss", *metric_names, "count")}
-
-
-# --- donation -------------------------------------------------------------------------------------
-
-ALIASED_LEAVES = """\
-train state: leaves {first} and {second} are the same {what}. Donating the state would donate it
-twice (XLA fails with 'Attempt to donate the same buffer twice', naming no leaf), and the optimizer
-would update the two leaves as independent parameters that drift apart. Typical cause: tied weights
-built by reusing one array, e.g. params['head']['kernel'] = params['embed']['embedding'].T or
-two dict entries holding one array.
-Fix: share the parameter inside the model (one param used in both places, e.g.
-flax.linen.Embed.attend for a tied output projection), or give each leaf its own copy
-(jnp.copy(x)) if they are meant to be trained separately."""
-
-
-def _buffer_keys(x: jax.Array) -> list[tuple[str, int]]:
-    # The Python object, and each device buffer it holds (two objects can view one buffer).
-    keys: list[tuple[str, int]] = [("object", id(x))]
-    if x.size == 0:  # empty arrays may share a null buffer; nothing to donate
-        return keys
-    try:
-        for shard in x.addressable_shards:
-            keys.append(("buffer", shard.data.unsafe_buffer_pointer()))
-    except Exception:  # deleted, or a backend without raw pointers: the object check remains
-        pass
-    return keys
-
-
-def check_distinct_buffers(state: Any) -> None:
-    """Checks no ``jax.Array`` (nor one device buffer) appears at two leaves of ``state``.
-
-    Run it on the concrete state before the first donated step: aliased leaves make the step
-    fail deep in XLA without naming them, or silently untie tied weights.
-
-    Raises:
-      DonationError: naming both leaf paths and the fix.
-
-    >>> import jax.numpy as jnp
-    >>> w = jnp.ones((2, 2))
-    >>> check_distinct_buffers({"embed": w, "head": jnp.copy(w)})
-    >>> check_distinct_buffers({"embed": w, "head": w})
-    Traceback (most recent call last):
-    ...
-    train.state.DonationError: train state: leaves ['embed'] and ['head'] are the same jax.Array ...
-    """
-    seen: dict[tuple[str, int], str] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-            continue
-        where = jax.tree_util.keystr(path)
-        for key in _buffer_keys(leaf):
-            if key in seen:
-                what = "jax.Array object" if key[0] == "object" else "device buffer"
-                raise DonationError(ALIASED_LEAVES.format(first=seen[key], second=where, what=what))
-            seen[key] = where
-
-
-def verify_donation(compiled: Any, state: Any) -> int:
-    """Checks XLA aliases every state byte of the compiled step to an output.
-
-    Args:
-      compiled: ``jax.jit(step, donate_argnums=0).lower(state, batch).compile()``.
-      state: the state (arrays or ``ShapeDtypeStruct`` with shardings).
-
-    Returns:
-      The aliased bytes per device (``memory_analysis().alias_size_in_bytes``).
-
-    Raises:
-      DonationError: fewer bytes aliased than the state holds on one device, or (for a
-        concrete state) one array at two leaves (:func:`check_distinct_buffers`).
-    """
-    check_distinct_buffers(state)  # a no-op for ShapeDtypeStructs
-    analysis = compiled.memory_analysis()
-    need = per_device_bytes(state)
-    if analysis is None:  # a backend without memory analysis: the deletion check still runs
-        return need
-    alias = int(analysis.alias_size_in_bytes)
-    if alias < need:
-        raise DonationError(
-            f"train step: XLA aliases {alias} bytes per device but the donated state holds "
-            f"{need}; the state is not (fully) donated, so a step keeps two copies of it. "
-            "Fix: jit the step with donate_argnums=0 and return every state leaf with its input's "
-            "shape, dtype and sharding."
-        )
-    return alias
-
-
-def verify_donated_inputs_deleted(old_leaves: list[tuple[Any, jax.Array]]) -> None:
-    """Checks every donated input buffer was consumed (``is_deleted()``) by the step."""
-    alive = [jax.tree_util.keystr(path) for path, x in old_leaves if not x.is_deleted()]
-    if alive:
-        shown = ", ".join(alive[:5]) + (f" and {len(alive) - 5} more" if len(alive) > 5 else "")
-        raise DonationError(
-            f"train step: {len(alive)} donated state buffers were not consumed ({shown}); the "
-            "step copied them instead of reusing them. Fix: re-materialise restored arrays "
-            "(train.checkpoint.rematerialize) and keep state leaves distinct buffers."
-        )

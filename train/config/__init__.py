@@ -20,12 +20,14 @@ The parts, one file each:
 - ``_yaml``: the reader (strict safe loader, duplicate keys, tabs, ``key.sub=value`` overrides);
 - ``_schema``: the sections, resume-safe fields marked with :func:`safe_field`;
 - ``_checks``: cross-checks against the model registry (model options, remat plan, data);
+- ``_auto``: the ``remat: {policy: auto, ...}`` request's checks and :class:`AutoRequest`;
 - ``_load``: :func:`load_config` / :func:`dump_config`, the three above in order;
 - ``_resume``: which keys a resumed run may change, and the effective form configs compare in;
 - ``_describe``: :func:`describe_options`, the ``--help`` text;
 - ``_errors``: :class:`ConfigError`.
 """
 
+from train.config._auto import AutoRequest, is_auto, request_errors
 from train.config._describe import describe_options
 from train.config._errors import ConfigError
 from train.config._load import dump_config, load_config
@@ -48,6 +50,7 @@ from train.config._schema import (
 from train.config._yaml import YamlLoader, apply_overrides
 
 __all__ = [
+    "AutoRequest",
     "Checkpoint",
     "Config",
     "ConfigError",
@@ -65,8 +68,10 @@ __all__ = [
     "apply_overrides",
     "describe_options",
     "dump_config",
+    "is_auto",
     "is_resume_safe",
     "load_config",
+    "request_errors",
     "resume_safe_keys",
     "resume_view",
     "safe_field",

@@ -2,7 +2,7 @@
 
 The model name must be registered and its options pass the model's own schema; the top-level
 ``remat`` must be something the model takes (a preset it has, a valid per-name plan, or the
-``policy: auto`` form with valid keys, checked by :func:`train.autoplan.request_errors`); the data
+``policy: auto`` form with valid keys, checked by :func:`train.config.request_errors`); the data
 source must fit the model's task and ``data.seq_len`` its ``max_len``.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import pydantic
 
+from train.config._auto import is_auto, request_errors
 from train.config._errors import pydantic_errors
 from train.config._schema import Config, Model
 
@@ -26,7 +27,6 @@ def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tupl
     # What the model's `remat` option receives from the top-level `remat` (None: nothing), and
     # the errors of the top-level value itself.
     import remat_nn as rn
-    from train import autoplan
 
     errors: list[tuple[str, str]] = []
     if remat is None:
@@ -42,8 +42,8 @@ def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tupl
     elif "remat" in model.options:
         errors.append(("remat", "set either remat or model.options.remat, not both"))
     given: Any = None
-    if autoplan.is_auto(remat):
-        errors += autoplan.request_errors(remat)
+    if is_auto(remat):
+        errors += request_errors(remat)
         given = rn.plan()  # stands in for the plan the planner will hand the model
     elif isinstance(remat, dict):
         try:
@@ -59,8 +59,6 @@ def registry_errors(
     model: Model, remat: Any, source: str | None, seq_len: int | None
 ) -> list[tuple[str, str]]:
     """The errors of the model section, the top-level remat and the data against the registry."""
-    from train import autoplan
-
     if not model.label:
         return []  # the model section itself failed; its errors are already listed
     try:
@@ -93,7 +91,7 @@ def registry_errors(
             whole = path == "model.options" and "remat" in msg  # a check across options
             if given is not None and (path == "model.options.remat" or whole):
                 path = "remat"
-                if autoplan.is_auto(remat):
+                if is_auto(remat):
                     msg = f"policy: auto hands the model a remat plan, which it refuses: {msg}"
             errors.append((path, msg))
     allowed = {"lm": _LM_SOURCES, "regress": _TABLE_SOURCES}.get(spec.task, _IMAGE_SOURCES)

@@ -1,4 +1,4 @@
-"""What orbax does not check: per-step manifests, the run-directory lock, config changes.
+"""Per-step manifests: what orbax does not check (checksums, shapes, dtypes, the config).
 
 Orbax's atomic rename keeps a half-written step out of sight, but it neither checksums array
 data nor notices a truncated file or a dtype change on restore. So every finalized step gets a
@@ -17,13 +17,8 @@ checks the saved regions its device shards hold (:func:`checksum_problems`).
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import json
-import os
-import shutil
-import socket
 import zlib
 from pathlib import Path
 from typing import Any
@@ -34,34 +29,25 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from train.config import is_resume_safe, resume_view
-from train.errors import SetupError
+from train import multihost
+from train.durable import write_json
 
 __all__ = [
     "CHECKPOINTED",
+    "DELETING",
     "MANIFEST",
     "MANIFEST_PART",
-    "CheckpointError",
-    "CheckpointUnavailableError",
-    "ConfigChangedError",
+    "ORBAX_TMP",
     "HostCopies",
-    "RunLock",
-    "RunLockedError",
-    "checksum_problems",
-    "config_diff",
     "checkpointed",
-    "config_hash",
-    "fsync_dir",
+    "checksum_problems",
     "index_key",
     "leaf_records",
     "mark_checkpointed",
     "nonfinite_leaves",
     "read_manifest",
-    "remove_stale_tmp",
     "structure_problems",
-    "write_json",
     "write_manifest",
-    "write_text",
 ]
 
 MANIFEST = "manifest.json"
@@ -71,29 +57,6 @@ DELETING = ".deleting"  # a step being deleted: renamed first, so no half-delete
 # In the checkpoints folder once a step of the run was complete (every manifest part written):
 # a run directory with it never starts from step 0 unless --restart, whatever was set aside.
 CHECKPOINTED = ".checkpointed"
-
-
-class CheckpointError(RuntimeError):
-    """No checkpoint can be used as it is: all damaged, a save failed, or it does not fit."""
-
-
-class CheckpointUnavailableError(CheckpointError):
-    """The storage failed while a checkpoint was read (I/O error, permission, timeout).
-
-    Not evidence of damage: nothing is moved aside, so rerunning once the storage is back
-    resumes from the same step.
-    """
-
-
-class RunLockedError(RuntimeError):
-    """Another process is training into the same run directory."""
-
-
-class ConfigChangedError(ValueError):
-    """The config differs from the one the run directory's checkpoints were trained with."""
-
-
-# --- manifest -------------------------------------------------------------------------------------
 
 
 def index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
@@ -182,7 +145,7 @@ class HostCopies:
     """
 
     def __init__(self, tree: Any):
-        main = jax.process_index() == 0
+        main = multihost.is_main()
         # (path, shape, dtype, whole, [(key, array or host copy)])
         self._leaves: list[tuple[str, list[int], str, bool, list[tuple[str, Any]]]] = []
         for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -307,32 +270,6 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any], *, process: int = 0
     write_json(step_dir / (MANIFEST if process == 0 else MANIFEST_PART.format(process)), manifest)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Writes ``obj`` as JSON to ``path`` durably (:func:`write_text`)."""
-    write_text(path, json.dumps(obj, indent=1))
-
-
-def write_text(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` durably: a temporary file, fsynced, renamed into place, then
-    the directory fsynced (so the rename itself survives a power loss)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsyncs a directory, making the renames and creations inside it durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def mark_checkpointed(directory: Path, step: int) -> None:
     """Records that ``directory`` held a complete step (once; see :data:`CHECKPOINTED`)."""
     if not (directory / CHECKPOINTED).exists():
@@ -389,100 +326,3 @@ def structure_problems(
                 continue
         problems.append(f"  {path}: saved {show(s)}, expected {show(e)}")
     return problems
-
-
-def config_hash(cfg_dict: dict[str, Any]) -> str:
-    """sha256 of the config's keys that change what a run computes (not the resume-safe ones).
-
-    Hashed in the effective form (:func:`train.config.resume_view`): two configs whose learning
-    rate schedules span the same steps hash alike whatever their ``train.steps``.
-    """
-    kept = {k: v for k, v in _flat(resume_view(cfg_dict)).items() if not is_resume_safe(k)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
-
-
-# --- config changes -------------------------------------------------------------------------------
-
-
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k: v})
-    return out
-
-
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(unsafe, safe)`` changed keys as ``key: old -> new`` lines.
-
-    Safe keys are those the schema marks resume-safe (:func:`train.config.is_resume_safe`).
-    Both configs are compared in their effective form (:func:`train.config.resume_view`), so a
-    longer run on the same schedule changes only ``train.steps`` (safe), while a longer run
-    that would stretch a cosine schedule also changes ``optim.schedule_steps`` (unsafe).
-
-    >>> config_diff({"train": {"steps": 8}}, {"train": {"steps": 12}})
-    (['  optim.schedule_steps: 8 -> 12'], ['  train.steps: 8 -> 12'])
-    >>> extended = {"train": {"steps": 12}, "optim": {"schedule_steps": 8}}
-    >>> config_diff({"train": {"steps": 8}}, extended)
-    ([], ['  train.steps: 8 -> 12'])
-    """
-    a, b = _flat(resume_view(old)), _flat(resume_view(new))
-    unsafe, safe = [], []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key, "(unset)") != b.get(key, "(unset)"):
-            line = f"  {key}: {a.get(key, '(unset)')!r} -> {b.get(key, '(unset)')!r}"
-            (safe if is_resume_safe(key) else unsafe).append(line)
-    return unsafe, safe
-
-
-# --- run directory --------------------------------------------------------------------------------
-
-
-class RunLock:
-    """An exclusive ``flock`` on ``run_dir/.lock``, which names its holder (pid and host).
-
-    Raises:
-      RunLockedError: another process holds it (the message names its pid and host).
-    """
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / ".lock"
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise SetupError(
-                f"run_dir={str(run_dir)!r} cannot be created or written ({type(e).__name__}: "
-                f"{e}). Fix: a writable directory (run_dir=...)."
-            ) from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            self._fd = None
-            raise RunLockedError(
-                f"run directory {run_dir} is in use by another trainer ({holder}; lock file "
-                f"{self.path}). Fix: wait for it to finish, stop it, or use another run_dir."
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def remove_stale_tmp(directory: Path) -> list[str]:
-    """Removes orbax temporary step directories and half-deleted steps left by killed runs;
-    returns their names."""
-    if not directory.is_dir():
-        return []
-    stale = sorted(
-        p for p in directory.iterdir() if ORBAX_TMP in p.name or p.name.endswith(DELETING)
-    )
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return [p.name for p in stale]
