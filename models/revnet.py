@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import pydantic
 
-import models
 import remat_nn as rn
+from models._spec import ModelSpec, check_scan_levels, nesting_holds_fewer, remat_option
 from remat_nn import names
 from remat_nn import nn as rnn
 from remat_nn._tie import tie_to_cotangent
@@ -489,7 +489,7 @@ _SCAN_LEVELS_NEEDS_SCAN = (
 
 
 def _check_scan_levels(levels: Any, scan_units: bool, where: str) -> None:
-    models.check_scan_levels(levels, f"{where}: ")
+    check_scan_levels(levels, f"{where}: ")
     if levels is not None and not scan_units:
         raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=f"{where}: ", levels=levels))
 
@@ -641,7 +641,7 @@ class _ImageOptions(pydantic.BaseModel):
     def _remat(cls, v: Any) -> Any:
         # Checked as models.remat_option reads it (one message, naming the model); kept as given.
         if v is not None:
-            models.remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
+            remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
         return v
 
 
@@ -683,7 +683,7 @@ class RevNetOptions(_ImageOptions):
 
 def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
     value = default if remat is None else remat
-    return models.remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
+    return remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
 
 
 def build_resnet(
@@ -772,12 +772,13 @@ def resnet_variants(
     o = schema.model_validate({k: v for k, v in options.items() if k != "remat"})
     arch = ARCHS[f"resnet{o.depth}"]
     scanned = [n - _first_scanned(arch, s) for s, n in enumerate(arch.units)]
-    if o.scan_levels is not None or not any(map(models.nesting_holds_fewer, scanned)):
+    if o.scan_levels is not None or not any(map(nesting_holds_fewer, scanned)):
         return {}
     return {"nested": {"scan_units": True, "scan_levels": 2}}
 
 
-def _register() -> None:
+def _specs() -> dict[str, ModelSpec]:
+    out: dict[str, ModelSpec] = {}
     families = {
         "resnet": (ResNetOptions, build_resnet, "pre-activation CIFAR ResNet (He et al. 2016)"),
         "revnet": (RevNetOptions, build_revnet, "reversible CIFAR RevNet (Gomez et al. 2017)"),
@@ -788,8 +789,7 @@ def _register() -> None:
         # RevNets offer no other form: their reversible stages keep nothing per unit already
         # (reversible=false and anchor_every keep more), and their downsampling units are 2-3.
         variants = resnet_variants if family == "resnet" else None
-        spec = models.ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants)
-        models.register(family, spec)
+        out[family] = ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants)
         for depth in depths:
             fixed = pydantic.create_model(
                 f"{options.__name__}{depth}",
@@ -800,10 +800,11 @@ def _register() -> None:
             title = {"resnet": "ResNet", "revnet": "RevNet"}[family]
             doc_depth = f"{title}-{depth}: {doc}"
             fixed_variants = variants and functools.partial(resnet_variants, schema=fixed)
-            spec = models.ModelSpec(
+            out[f"{family}{depth}"] = ModelSpec(
                 build, fixed, "classify", doc_depth, REMAT_PRESETS, fixed_variants
             )
-            models.register(f"{family}{depth}", spec)
+    return out
 
 
-_register()
+#: The registry's entries of this file (registered at the first models.get).
+SPECS: dict[str, ModelSpec] = _specs()
