@@ -37,6 +37,7 @@ import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks import depth as depth_bench  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, verdict  # noqa: E402
+from models import resnet as RN  # noqa: E402
 from models import revnet as R  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
@@ -55,7 +56,7 @@ def _module(name: str, quick: bool):
     # downsampling units in the backward (remat `full`), a ResNet stores every activation.
     if name.startswith("revnet"):
         return R.RevNet(_arch(name, quick), remat=R.REMAT_PRESETS["full"])
-    return R.ResNet(_arch(name, quick))
+    return RN.ResNet(_arch(name, quick))
 
 
 @dataclasses.dataclass

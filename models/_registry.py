@@ -55,7 +55,7 @@ def build(name: str | ModelSpec, **options: Any) -> fnn.Module:
 
 
 # The model files whose ``SPECS`` (name -> ModelSpec) are registered at the first get().
-_BUILTIN_MODULES = ("models.revnet", "models.transformer", "models.nnx_revnet")
+_BUILTIN_MODULES = ("models.resnet", "models.revnet", "models.transformer", "models.nnx_revnet")
 _loaded: set[str] = set()
 
 

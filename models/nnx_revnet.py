@@ -28,8 +28,8 @@ import pydantic
 from flax import nnx
 
 import remat_nn as rn
+from models._cifar import NAMES, REMAT_PRESETS
 from models._spec import ModelSpec, remat_option
-from models.revnet import NAMES, REMAT_PRESETS
 from remat_nn import names
 from remat_nn import nnx as rnnx
 
