@@ -187,7 +187,8 @@ class ResNet(fnn.Module):
     >>> m = ResNet(ARCHS["resnet32"], num_classes=10)
     >>> x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
     >>> v = jax.eval_shape(m.init, jax.random.key(0), x)   # shapes only: nothing runs
-    >>> sum(p.size for p in jax.tree.leaves(v["params"]))   # RevNet paper, Table 1: 0.46M
+    >>> from models.summary import count_params
+    >>> count_params(v["params"])   # RevNet paper, Table 1: 0.46M
     464154
     >>> jax.eval_shape(m.apply, v, x).shape
     (2, 10)

@@ -129,7 +129,8 @@ class RevNet(fnn.Module):
     >>> v = jax.eval_shape(m.init, jax.random.key(0), x)   # shapes only: nothing runs
     >>> sorted(v["params"])
     ['head', 'stage0', 'stage1', 'stage1_down', 'stage2', 'stage2_down', 'stem']
-    >>> sum(p.size for p in jax.tree.leaves(v["params"]))   # RevNet paper, Table 1: 0.46M
+    >>> from models.summary import count_params
+    >>> count_params(v["params"])   # RevNet paper, Table 1: 0.46M
     464858
     >>> jax.eval_shape(m.apply, v, x).shape
     (2, 10)
