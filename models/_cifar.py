@@ -265,7 +265,7 @@ def family_specs(
 ) -> dict[str, ModelSpec]:
     """The registry entries of a family: ``family`` (option ``depth``) and one per depth
     (``resnet32``, ...) whose options fix it; ``variants(options, schema=...)`` or None."""
-    depths = options.model_fields["depth"].annotation.__args__  # type: ignore[union-attr]
+    depths = options.model_fields["depth"].annotation.__args__
     doc_family = f"{doc}, option depth in {list(depths)}"
     out = {family: ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants)}
     for depth in depths:
