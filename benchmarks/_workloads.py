@@ -44,11 +44,6 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def tree_size(tree: Any) -> int:
-    """Elements of every array leaf of ``tree`` (parameter counts)."""
-    return sum(x.size for x in jax.tree.leaves(tree))
-
-
 def matmul_fn(n: int) -> Callable[[], jax.Array]:
     """A dense float32 ``(n, n) @ (n, n)`` on the default device, compiled and warmed up: the
     reference the efficiency benchmark times in the same rounds as the steps it rates."""

@@ -37,7 +37,9 @@ import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks import depth as depth_bench  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, verdict  # noqa: E402
+from models import resnet as RN  # noqa: E402
 from models import revnet as R  # noqa: E402
+from models.summary import count_params  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
 GIB = 2**30
@@ -55,7 +57,7 @@ def _module(name: str, quick: bool):
     # downsampling units in the backward (remat `full`), a ResNet stores every activation.
     if name.startswith("revnet"):
         return R.RevNet(_arch(name, quick), remat=R.REMAT_PRESETS["full"])
-    return R.ResNet(_arch(name, quick))
+    return RN.ResNet(_arch(name, quick))
 
 
 @dataclasses.dataclass
@@ -97,7 +99,7 @@ def _measure(name: str, quick: bool, batch: int, half: int, image: int) -> dict:
     per_example = (mem.peak_bytes - mem_half.peak_bytes) / (batch - half)
     fixed = mem.peak_bytes - per_example * batch
     row = {
-        "params": wl.tree_size(full.model.params),
+        "params": count_params(full.model.params),
         "temp": mem.temp_size_in_bytes,
         "peak": mem.peak_bytes,
         "per_example": per_example,

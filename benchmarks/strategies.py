@@ -29,6 +29,7 @@ import models  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, rounds_text  # noqa: E402
+from models import resnet as RN  # noqa: E402
 from models import revnet as R  # noqa: E402
 from remat_nn._memory import format_bytes  # noqa: E402
 
@@ -61,7 +62,7 @@ def _cnn_strategies(quick: bool) -> list[Strategy]:
         res, rev = (
             dataclasses.replace(a, units=u) for a, u in ((res, QUICK_RES), (rev, QUICK_REV))
         )
-    resnet = functools.partial(R.ResNet, res)
+    resnet = functools.partial(RN.ResNet, res)
     return [
         Strategy(NONE, "ResNet-164", "remat none", resnet()),
         Strategy("per-unit full", "ResNet-164", "remat full", resnet(remat=FULL)),
@@ -129,7 +130,7 @@ def _scan_layout(model: wl.Classifier, module: Any) -> wl.Classifier:
     """``model``'s weights in ``module``'s layout (scanned units stacked: ``convert_units``)."""
     if not getattr(module, "scan_units", False):
         return dataclasses.replace(model, module=module)
-    convert = functools.partial(R.convert_units, arch=module.arch, scanned=True)
+    convert = functools.partial(RN.convert_units, arch=module.arch, scanned=True)
     return dataclasses.replace(
         model,
         module=module,
@@ -142,7 +143,7 @@ def _cnn_rows(quick: bool, mem_batch: int, time_batch: int, image: int) -> list[
     rows = []
     base = None  # the ResNet's weights, shared by every ResNet layout (gradients comparable)
     for s in _cnn_strategies(quick):
-        if isinstance(s.module, R.ResNet):
+        if isinstance(s.module, RN.ResNet):
             if base is None:
                 base = wl.classifier(s.name, batch=time_batch, image_size=image, module=s.module)
             model = _scan_layout(base, s.module)
@@ -256,7 +257,7 @@ def run(quick: bool = False) -> Result:
     lm_times = _time(lm, lm_rounds, quick)
 
     res_arch = next(r for r in cnn if r.strategy.name == NESTED).strategy.module.arch
-    unscan = functools.partial(R.convert_units, arch=res_arch, scanned=False)
+    unscan = functools.partial(RN.convert_units, arch=res_arch, scanned=False)
     cnn_err, cnn_floored = _grad_errors(cnn, NESTED, unscan)
     lm_raw, lm_err = _grad_errors(lm, NESTED)
     print(

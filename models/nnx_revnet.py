@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
-import models
 import remat_nn as rn
-from models.revnet import NAMES, REMAT_PRESETS
+from models._cifar import NAMES, REMAT_PRESETS
+from models._spec import ModelSpec, remat_option
 from remat_nn import names
 from remat_nn import nnx as rnnx
 
@@ -150,7 +150,7 @@ class NNXRevNetOptions(pydantic.BaseModel):
     @classmethod
     def _remat(cls, v: Any) -> Any:
         if v is not None:
-            models.remat_option(v, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
+            remat_option(v, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
         return v
 
 
@@ -176,7 +176,7 @@ def build(
     >>> sorted(variables), variables["params"]["stage1"]["layers"]["f"]["conv"]["kernel"].shape
     (['batch_stats', 'params'], (1, 3, 3, 2, 2))
     """
-    plan = models.remat_option(
+    plan = remat_option(
         "full" if remat is None else remat, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES
     )
     return nnx.bridge.to_linen(
@@ -191,13 +191,13 @@ def build(
     )
 
 
-models.register(
-    "nnx_revnet",
-    models.ModelSpec(
+#: The registry's entries of this file (registered at the first models.get).
+SPECS: dict[str, ModelSpec] = {
+    "nnx_revnet": ModelSpec(
         build,
         NNXRevNetOptions,
         "classify",
         "a small RevNet written in Flax NNX (remat_nn.nnx), trained through nnx.bridge.to_linen",
         REMAT_PRESETS,
     ),
-)
+}

@@ -37,6 +37,7 @@ import yaml
 
 import models
 import remat_nn as rn
+from models._registry import load_builtin
 from remat_nn._jax_internals import saved_residuals
 from remat_nn._memory import format_bytes
 
@@ -115,7 +116,7 @@ def _validate(name: str, overrides: dict[str, Any]) -> tuple[models.ModelSpec, A
 
 
 def _list() -> str:
-    models._load_builtin()
+    load_builtin()
     width = max(map(len, models.REGISTRY))
     return "\n".join(
         f"{n:<{width}}  {s.task:<8}  {s.doc}" for n, s in sorted(models.REGISTRY.items())

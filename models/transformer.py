@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import pydantic
 
-import models
 import remat_nn as rn
+from models._spec import LayerStack, ModelSpec, check_scan_levels, nesting_holds_fewer
 from remat_nn import names
 from remat_nn import nn as rnn
 
@@ -403,7 +403,7 @@ class Transformer(fnn.Module):
 
 
 def _check_scan_levels(levels: Any, scan_layers: bool, reversible: bool, dropout: float) -> None:
-    models.check_scan_levels(levels, "transformer: option ")
+    check_scan_levels(levels, "transformer: option ")
     if levels is None:
         return
     if not scan_layers or reversible:
@@ -568,13 +568,13 @@ def variants(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if o.reversible:
         return out
     nestable = o.scan_layers and o.scan_levels is None and not o.dropout
-    if nestable and models.nesting_holds_fewer(o.n_layers):
+    if nestable and nesting_holds_fewer(o.n_layers):
         out["nested"] = {"scan_levels": 2}
     out["reversible"] = dict(_REVERSIBLE)
     return out
 
 
-def layer_stack(module: Transformer) -> models.LayerStack:
+def layer_stack(module: Transformer) -> LayerStack:
     """The scanned transformer as embedding, a stack of blocks (``params["blocks"]``) and head.
 
     The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
@@ -632,12 +632,12 @@ def layer_stack(module: Transformer) -> models.LayerStack:
         x = fnn.LayerNorm(dtype=jnp.float32).apply({"params": rest["ln_f"]}, x)  # (B, T, D)
         return wte.apply({"params": rest["wte"]}, x, method="attend")  # (B, T, V)
 
-    return models.LayerStack("blocks", embed, layer, head)
+    return LayerStack("blocks", embed, layer, head)
 
 
-models.register(
-    "transformer",
-    models.ModelSpec(
+#: The registry's entries of this file (registered at the first models.get).
+SPECS: dict[str, ModelSpec] = {
+    "transformer": ModelSpec(
         build=build,
         options=TransformerOptions,
         task="lm",
@@ -646,4 +646,4 @@ models.register(
         variants=variants,
         layer_stack=layer_stack,
     ),
-)
+}

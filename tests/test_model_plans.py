@@ -21,6 +21,7 @@ import pytest
 
 import models
 import remat_nn as rn
+from models import resnet as RN
 from models import revnet as R
 from tests.gradients import random_variables, rel_err
 from train import loop
@@ -96,7 +97,7 @@ def _temp(module, batch=32, size=16):
 
 
 def _convert(variables, arch, scanned):
-    return {k: R.convert_units(t, arch, scanned=scanned) for k, t in variables.items()}
+    return {k: RN.convert_units(t, arch, scanned=scanned) for k, t in variables.items()}
 
 
 # --- gradients equal plain autodiff ---------------------------------------------------------------
@@ -125,13 +126,13 @@ def _convert(variables, arch, scanned):
 )
 def test_resnet_plans_and_scan_give_plain_autodiffs_gradient(arch, scan_units, plan):
     images, labels = _images(), _labels()
-    variables, (want, want_bs) = _plain(R.ResNet, arch)
-    module = R.ResNet(arch, remat=plan, scan_units=scan_units)
+    variables, (want, want_bs) = _plain(RN.ResNet, arch)
+    module = RN.ResNet(arch, remat=plan, scan_units=scan_units)
     given = _convert(variables, arch, True) if scan_units else variables
     got, got_bs = _grads(module, given, images, labels)
     if scan_units:
-        got = R.convert_units(got, arch, scanned=False)
-        got_bs = {"batch_stats": R.convert_units(got_bs["batch_stats"], arch, scanned=False)}
+        got = RN.convert_units(got, arch, scanned=False)
+        got_bs = {"batch_stats": RN.convert_units(got_bs["batch_stats"], arch, scanned=False)}
     assert rel_err(got, want) <= 1e-5
     assert rel_err(got_bs, want_bs) <= 1e-5
 
@@ -168,7 +169,7 @@ def test_revnet_downsampling_plans_give_plain_autodiffs_gradient(arch, reversibl
 @pytest.mark.parametrize("arch", [BASIC, BOTTLENECK, R.ARCHS["resnet32"]], ids=str)
 def test_convert_units_is_exact_both_ways_and_the_outputs_agree(arch):
     images = _images()
-    unrolled, scanned = R.ResNet(arch), R.ResNet(arch, scan_units=True)
+    unrolled, scanned = RN.ResNet(arch), RN.ResNet(arch, scan_units=True)
     v_plain = _variables(unrolled, images, seed=0)
     v_scan = _variables(scanned, images, seed=3)
     # Unscanned -> scanned: the scanned model reads the converted variables as its own layout.
@@ -187,11 +188,11 @@ def test_convert_units_is_exact_both_ways_and_the_outputs_agree(arch):
 
 
 def test_convert_units_names_the_layout_it_expected():
-    v = _variables(R.ResNet(BASIC), _images())["params"]
+    v = _variables(RN.ResNet(BASIC), _images())["params"]
     with pytest.raises(
         ValueError, match=r"scanned=False\): the tree has no 'stage0'.*scanned=True"
     ):
-        R.convert_units(v, BASIC, scanned=False)
+        RN.convert_units(v, BASIC, scanned=False)
 
 
 # --- memory: remat lowers XLA:CPU's compiled temp -------------------------------------------------
@@ -200,9 +201,9 @@ def test_convert_units_names_the_layout_it_expected():
 @pytest.mark.parametrize("scan_units", [False, True], ids=["unrolled", "scanned"])
 def test_resnet_remat_lowers_compiled_temp_unrolled_and_scanned(scan_units):
     arch = R.Arch((4, 4, 4), (8, 16, 32), 8, bottleneck=False)
-    none = _temp(R.ResNet(arch, scan_units=scan_units)).temp_size_in_bytes
-    full = _temp(R.ResNet(arch, remat=FULL, scan_units=scan_units)).temp_size_in_bytes
-    conv = _temp(R.ResNet(arch, remat=SAVE_CONV, scan_units=scan_units)).temp_size_in_bytes
+    none = _temp(RN.ResNet(arch, scan_units=scan_units)).temp_size_in_bytes
+    full = _temp(RN.ResNet(arch, remat=FULL, scan_units=scan_units)).temp_size_in_bytes
+    conv = _temp(RN.ResNet(arch, remat=SAVE_CONV, scan_units=scan_units)).temp_size_in_bytes
     assert full < 0.6 * none, (full, none)
     assert full < conv < none, (full, conv, none)
 
@@ -254,7 +255,7 @@ def test_plans_that_would_do_nothing_are_refused_naming_the_model(name):
         models.build(name, remat=3)
     # Inside the model too: a unit's body is checked when its gradient is traced (nn.remat's
     # plan check; init has no backward pass and builds the units unwrapped).
-    m = R.ResNet(BASIC, remat=rn.plan({"save": ["query_proj"]}))
+    m = RN.ResNet(BASIC, remat=rn.plan({"save": ["query_proj"]}))
     variables = jax.eval_shape(m.init, jax.random.key(0), _images())
 
     def loss(params):

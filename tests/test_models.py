@@ -15,6 +15,7 @@ import pytest
 
 import models
 import remat_nn as rn
+from models import resnet as rs
 from models import revnet as rv
 from models import summary
 from models import transformer as tr
@@ -456,7 +457,7 @@ _FULL = rn.plan({"default": "recompute"})
 # (``_unit``'s custom_vjp: the registry's default for a RevNet, ``remat: full`` for a ResNet).
 FLAG_MODELS = {
     "resnet": (
-        lambda: rv.ResNet(rv.Arch((1, 1, 1), (4, 8, 8), 4, False), 3, remat=_FULL),
+        lambda: rs.ResNet(rv.Arch((1, 1, 1), (4, 8, 8), 4, False), 3, remat=_FULL),
         (2, 8, 8, 3),
     ),
     "revnet": (lambda: rv.RevNet(TINY_REVNET.scaled(0.5), 3, remat=_FULL), (2, 8, 8, 3)),

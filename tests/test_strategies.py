@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 import models
-from models import revnet as R
+from models import resnet as R
 from tests.gradients import random_variables, rel_err
 
 # Stage 1 has 4 identical units after its downsampling one: lengths (2, 2) at 2 levels, and a

@@ -14,6 +14,7 @@ except ImportError as e:
 # --- remat transform (nn.checkpoint is nn.remat, as in flax.linen) --------------------------------
 from remat_nn.nn._remat import checkpoint, remat
 from remat_nn.nn._remat_scan import remat_scan
+from remat_nn.nn._tied import tied_remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
 from remat_nn._halves import merge_halves, split_halves
@@ -28,6 +29,7 @@ __all__: list[str] = [
     "checkpoint",
     "remat",
     "remat_scan",
+    "tied_remat",
     # reversible
     "AdditiveCoupling",
     "AffineCoupling",

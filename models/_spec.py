@@ -1,0 +1,158 @@
+"""What a registered model is (:class:`ModelSpec`) and the option readers every model shares."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+import flax.linen as fnn
+import pydantic
+
+import remat_nn as rn
+
+__all__ = [
+    "LayerStack",
+    "ModelSpec",
+    "check_scan_levels",
+    "nesting_holds_fewer",
+    "remat_option",
+]
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A built model as ``head(rest, scan(layer, embed(rest, x), params[key]))``.
+
+    What the trainer's ``train.update_in_backward`` needs (:func:`remat_nn.fused_update_step`):
+    the same computation as ``module.apply`` in three parts, each taking float32 parameters.
+
+    Attributes:
+      key: the parameters' key of the stacked layers (leading layer axis on every leaf).
+      embed: ``(rest, x) -> h``, the first layer's input; ``rest`` is the parameters but ``key``.
+      layer: ``(layer_params, h) -> h``, one layer under the model's remat plan.
+      head: ``(rest, h) -> outputs``, what ``module.apply`` returns.
+    """
+
+    key: str
+    embed: Callable[[Any, Any], Any]
+    layer: Callable[[Any, Any], Any]
+    head: Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one registered model.
+
+    Attributes:
+      build: ``build(**options) -> flax.linen.Module``; options validated by ``options`` first.
+      options: pydantic model of the constructor's options (unknown keys rejected).
+      task: ``"classify"`` or ``"lm"`` (see the module docstring for the calling convention).
+      doc: one line shown by ``python -m models.summary --list``.
+      remat_presets: the preset names the model's ``remat`` option takes, each mapped to its
+        :class:`remat_nn.Plan` (None: no remat). A model's ``remat`` option takes one of these
+        names or a ``Plan`` (or a plan mapping; :func:`remat_option` reads it for the CNN models,
+        the transformer adds ``custom``); the trainer hands the config's ``remat:`` to every
+        model through that option.
+      variants: ``variants(options) -> {label: option overrides}``: the other forms of the
+        model that ``remat: {policy: auto, budget: ...}`` may choose when no per-name plan of
+        the model as configured fits the budget (a nested scan, the reversible form, ...), only
+        those valid with ``options`` (the model's options as configured, unvalidated: defaults
+        are the schema's). A form may change the parameters: each is planned on its own state.
+        An override that sets ``remat`` fixes the form's plan (the planner's plan does not
+        apply to it, e.g. reversible blocks keep nothing per layer). None: no other forms.
+      layer_stack: ``layer_stack(module) -> LayerStack`` for a built module, or a ValueError
+        saying why that module is not a plain stack of layers (e.g. unscanned blocks); None:
+        the model has no layer stack.
+    """
+
+    build: Callable[..., fnn.Module]
+    options: type[pydantic.BaseModel]
+    task: Literal["classify", "lm", "regress"]
+    doc: str = ""
+    remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
+    layer_stack: Callable[[fnn.Module], LayerStack] | None = None
+
+
+def remat_option(
+    remat: Any, *, presets: Mapping[str, Any], model: str, names: Collection[str]
+) -> Any:
+    """The :class:`remat_nn.Plan` (or None: no remat) a model's ``remat`` option stands for.
+
+    The one reading of the option every registered model shares: a preset name of the model's
+    ``remat_presets`` (``none`` is no remat), a ``Plan``, or a plan mapping ``{save: [...],
+    offload: [...], recompute: [...], default: ...}``. A plan naming an activation the model
+    never produces is refused here, before anything is traced: it would silently do nothing.
+
+    Args:
+      remat: the option's value (not None: the model decides its own default).
+      presets: the model's ``remat_presets``.
+      model: the registered name errors call the model by.
+      names: the activation names the model produces (what a plan may name).
+
+    Raises:
+      ValueError: an unknown preset (with the closest names), a bad plan mapping, a plan naming
+        an activation the model does not produce, or a value of another type.
+
+    >>> import remat_nn as rn
+    >>> presets = {"none": None, "full": rn.plan({"default": "recompute"})}
+    >>> str(remat_option("full", presets=presets, model="m", names=["conv_out"]))
+    'default=recompute'
+    >>> remat_option({"save": ["conv"]}, presets=presets, model="m", names=["conv_out"])
+    Traceback (most recent call last):
+    ...
+    ValueError: m: option remat=<plan save=conv;default=recompute> names ['conv'], which m ...
+    """
+    if isinstance(remat, str):
+        if remat not in presets:
+            close = difflib.get_close_matches(remat, list(presets), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{model}: unknown remat preset {remat!r}.{hint} Presets: {list(presets)}; or "
+                "a per-name plan {save: [...], offload: [...], default: recompute}."
+            )
+        return presets[remat]
+    if isinstance(remat, Mapping):
+        try:
+            remat = rn.plan(remat)
+        except rn.PlanError as e:
+            raise ValueError(f"{model}: option remat: {e}") from None
+    if not isinstance(remat, rn.Plan):
+        raise ValueError(
+            f"{model}: option remat must be a preset name ({', '.join(presets)}), a plan mapping "
+            f"or a remat_nn.Plan; got {type(remat).__name__} {remat!r}. Fix: e.g. remat='full'."
+        )
+    unknown = [n for n in remat.names if n not in names]
+    if unknown:
+        raise ValueError(
+            f"{model}: option remat=<plan {remat}> names {unknown}, which {model} never produces, "
+            f"so the plan would silently do nothing for them. Its named activations: "
+            f"{sorted(names)}. Fix: name those, or use a preset ({', '.join(presets)})."
+        )
+    return remat
+
+
+def check_scan_levels(levels: Any, where: str) -> None:
+    """Refuses a ``scan_levels`` option that is not None or an int >= 1; ``where`` prefixes the
+    message (e.g. ``"ResNet: "``)."""
+    if levels is not None and (
+        isinstance(levels, bool) or not isinstance(levels, int) or levels < 1
+    ):
+        raise ValueError(
+            f"{where}scan_levels must be an int >= 1 (1: one checkpointed scan; 2: sqrt(depth) "
+            f"nesting) or None, got {type(levels).__name__} {levels!r}. Fix: scan_levels=2."
+        )
+
+
+def nesting_holds_fewer(n: int, levels: int = 2) -> bool:
+    """Whether a nested scan of ``n`` steps at ``levels`` holds fewer step inputs than one scan
+    (``sum`` of :func:`remat_nn.remat_scan_lengths` below ``n``): where a model's nested form
+    can beat its plain scan on memory, so it is worth offering to the budget planner.
+
+    >>> nesting_holds_fewer(4), nesting_holds_fewer(17)
+    (False, True)
+    """
+    return sum(rn.remat_scan_lengths(n, levels)) < n
