@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import remat_nn as rn  # noqa: E402
 from benchmarks._common import Result, Target, paired, rounds_text, verdict  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 
 def _mlp(p, c, x):

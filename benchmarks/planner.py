@@ -36,7 +36,7 @@ import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks import transformer as tb  # noqa: E402
 from benchmarks._common import Result, Target, paired, rounds_text, verdict  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 #: The most compiles of one budget in the committed table before the mechanism search (17, at
 #: 4 of the 6 budgets of 2026-11-23): the target allows twice as many.

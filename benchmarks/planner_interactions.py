@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks._common import Result, Target  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 NAMES = (
     "attention_scores",

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import depth as depth_bench  # noqa: E402
 from benchmarks._common import Result, Target  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 LEVELS = (1, 2, 3)
 

@@ -40,7 +40,7 @@ from benchmarks._common import Paired, Result, Target, paired, verdict  # noqa: 
 from models import resnet as RN  # noqa: E402
 from models import revnet as R  # noqa: E402
 from models.summary import count_params  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 GIB = 2**30
 BUDGETS = {"2 GiB": 2 * GIB, "8 GiB": 8 * GIB}

@@ -31,7 +31,7 @@ from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, rounds_text  # noqa: E402
 from models import resnet as RN  # noqa: E402
 from models import revnet as R  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 FULL, DOTS = R.REMAT_PRESETS["full"], R.REMAT_PRESETS["save_conv_out"]
 LEVELS = 2  # levels of the nested scans

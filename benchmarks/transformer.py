@@ -24,7 +24,7 @@ import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks._common import Paired, Result, Target, paired, rounds_text, verdict  # noqa: E402
 from models.transformer import REMAT_PRESETS  # noqa: E402
-from remat_nn._memory import format_bytes  # noqa: E402
+from remat_nn import format_bytes  # noqa: E402
 
 OFFLOAD_PRESETS = [p for p, plan in REMAT_PRESETS.items() if plan is not None and plan.offload]
 #: Quick mode (tests) measures a few presets only: one of each kind.

@@ -6,13 +6,13 @@ The built-in models (:data:`_BUILTIN_MODULES`) are registered at the first :func
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from typing import Any
 
 import flax.linen as fnn
 
 from models._spec import ModelSpec
+from remat_nn.errors import did_you_mean
 
 __all__ = ["REGISTRY", "build", "get", "load_builtin", "register"]
 
@@ -33,8 +33,7 @@ def get(name: str) -> ModelSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(name, REGISTRY, n=3)
-        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        hint = did_you_mean(name, REGISTRY, n=3)
         raise ValueError(
             f"models.get: unknown model name {name!r}.{hint} Registered: {sorted(REGISTRY)}."
         ) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -12,6 +11,7 @@ import flax.linen as fnn
 import pydantic
 
 import remat_nn as rn
+from remat_nn.errors import did_you_mean
 
 __all__ = [
     "LayerStack",
@@ -108,8 +108,7 @@ def remat_option(
     """
     if isinstance(remat, str):
         if remat not in presets:
-            close = difflib.get_close_matches(remat, list(presets), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(remat, presets)
             raise ValueError(
                 f"{model}: unknown remat preset {remat!r}.{hint} Presets: {list(presets)}; or "
                 "a per-name plan {save: [...], offload: [...], default: recompute}."

@@ -38,8 +38,8 @@ import yaml
 import models
 import remat_nn as rn
 from models._registry import load_builtin
+from remat_nn import format_bytes
 from remat_nn._jax_internals import saved_residuals
-from remat_nn._memory import format_bytes
 
 __all__ = ["count_matmul_flops", "count_params", "example_batch", "loss_fn", "main"]
 

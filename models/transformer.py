@@ -38,6 +38,7 @@ import remat_nn as rn
 from models._spec import LayerStack, ModelSpec, check_scan_levels, nesting_holds_fewer
 from remat_nn import names
 from remat_nn import nn as rnn
+from remat_nn.errors import did_you_mean
 
 __all__ = [
     "REMAT_PRESETS",
@@ -123,10 +124,7 @@ def remat_plan(
             "Fix: set remat='custom' or drop custom_plan."
         )
     if remat not in REMAT_PRESETS:
-        import difflib
-
-        close = difflib.get_close_matches(remat, [*REMAT_PRESETS, "custom"], n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(remat, [*REMAT_PRESETS, "custom"])
         raise ValueError(
             f"transformer: unknown remat preset {remat!r}.{hint} "
             f"Presets: {[*REMAT_PRESETS, 'custom']}."

@@ -18,10 +18,11 @@ def closest(word: str, valid: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-def did_you_mean(word: str, valid: Iterable[str]) -> str:
-    """``" Did you mean 'x'?"`` with the valid value closest to ``word``, or ``""``."""
-    close = closest(word, valid)
-    return f" Did you mean {close!r}?" if close is not None else ""
+def did_you_mean(word: str, valid: Iterable[str], n: int = 1) -> str:
+    """``" Did you mean 'x'?"`` with the valid value closest to ``word`` (up to ``n`` of them,
+    ``'x' or 'y'``), or ``""``."""
+    close = difflib.get_close_matches(word, list(valid), n=n)
+    return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def did_you_mean_each(words: Iterable[object], valid: Iterable[str]) -> str:

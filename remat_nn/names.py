@@ -76,7 +76,7 @@ ACTIVATIONS: Mapping[str, str] = MappingProxyType(
         RESIDUAL_BODY: "output of a RematBlock's body, before `x + body(x)`; shape of x",
         COUPLING_F: "F(x2) inside a reversible coupling; shape of one half of the input",
         COUPLING_G: "G(y1) inside a reversible coupling; shape of one half of the input",
-        CONV_OUT: "output of each convolution of a CNN residual function (models.revnet's"
+        CONV_OUT: "output of each convolution of a CNN residual function (models._cifar's"
         " ResidualFn, in ResNet units and RevNet F / G), before its BatchNorm; (B, H, W, C)",
     }
 )

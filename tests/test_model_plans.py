@@ -213,7 +213,7 @@ def test_revnet_downsampling_remat_lowers_compiled_temp():
     stored = _temp(R.RevNet(arch)).temp_size_in_bytes
     recomputed = _temp(R.RevNet(arch, remat=FULL)).temp_size_in_bytes
     # Measured 0.78 (0.75 with the stacks rolled); 1.00 with the plan ignored or without the
-    # unit's cotangent tie (models/revnet.py). It was 0.62 before the reversible backward was
+    # unit's cotangent tie (remat_nn/nn/_tied.py). It was 0.62 before the reversible backward was
     # ordered block by block (remat_nn/_tie.py), which took the stored variant's temp from
     # 6.52 MB to 5.22 MB: the baseline fell, the recomputed variant did not rise.
     assert recomputed < 0.85 * stored, (recomputed, stored)

@@ -454,7 +454,8 @@ def test_flop_counter_counts_scan_length():
 _FULL = rn.plan({"default": "recompute"})
 # Every model family at a tiny size (name -> (constructor, input shape)): the CNNs are their
 # registered classes on a 3-stage arch, with the downsampling / residual units rematerialized
-# (``_unit``'s custom_vjp: the registry's default for a RevNet, ``remat: full`` for a ResNet).
+# (``rnn.tied_remat``'s custom_vjp: the registry's default for a RevNet, ``remat: full`` for a
+# ResNet).
 FLAG_MODELS = {
     "resnet": (
         lambda: rs.ResNet(rv.Arch((1, 1, 1), (4, 8, 8), 4, False), 3, remat=_FULL),

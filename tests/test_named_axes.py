@@ -226,7 +226,7 @@ def _custom_ivjp() -> Case:
 
 
 def _revnet() -> Case:
-    # The registry's RevNet: downsampling units rematerialized by models.revnet's custom_vjp.
+    # The registry's RevNet: downsampling units rematerialized by rnn.tied_remat's custom_vjp.
     arch = rv.Arch((2, 1, 1), (8, 16, 16), 8, bottleneck=False)
     rev = rv.RevNet(arch, num_classes=3, remat=rn.plan({"default": "recompute"}))
     x = _normal(2, (B, 8, 8, 3))

@@ -8,13 +8,13 @@ memory timeline (``RUN_DIR/memory_timeline.png`` and ``.json``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from models.summary import count_params
 from train import sharding as sharding_lib
 from train import state as state_lib
 from train.experiment import Experiment
@@ -38,7 +38,7 @@ def dry_run_report(exp: Experiment) -> None:
     say("parameters:")
     for path, n in _param_groups(state.params):
         say(f"  {path:<40} {n:>12,}")
-    say(f"  {'total':<40} {sum(math.prod(p.shape) for p in jax.tree.leaves(state.params)):>12,}")
+    say(f"  {'total':<40} {count_params(state.params):>12,}")
     if cfg.optim.weight_decay:
         say(state_lib.decay_summary(state.params, cfg.optim.decay_exclude))
     else:
@@ -103,4 +103,4 @@ def _param_groups(params: Any) -> Iterator[tuple[str, int]]:
     # Parameter counts per top-level module.
     if isinstance(params, dict):
         for k, v in params.items():
-            yield str(k), sum(math.prod(x.shape) for x in jax.tree.leaves(v))
+            yield str(k), count_params(v)

@@ -8,7 +8,6 @@ ahead of time with the whole state donated. The loop (:mod:`train.loop`) and the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ import jax.numpy as jnp
 import optax
 
 import models
-from remat_nn._memory import format_bytes
+from models.summary import count_params
+from remat_nn import format_bytes
 from train import autoplan, donation, multihost
 from train import data as data_lib
 from train import fused as fused_lib
@@ -286,7 +286,7 @@ def _state_layout(cfg: Config, init: Callable[[], TrainState], mesh: Any) -> tup
 def _summary(
     cfg: Config, abstract: TrainState, dataset: data_lib.Dataset, mesh: Any, global_bs: int
 ) -> str:
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
+    n_params = count_params(abstract.params)
     return (
         f"model {cfg.model.label}: {n_params:,} params | data {dataset.name}: "
         f"{dataset.num_examples('train')} train / {dataset.num_examples('test')} test examples | "

@@ -12,6 +12,7 @@ from typing import Any
 
 import pydantic
 
+from remat_nn.errors import did_you_mean
 from train.config._auto import is_auto, request_errors
 from train.config._errors import pydantic_errors
 from train.config._schema import Config, Model
@@ -68,10 +69,7 @@ def registry_errors(
     fields = spec.options.model_fields
     given, errors = _remat_errors(model, fields, remat)
     if model.module and isinstance(given, str) and given not in spec.remat_presets:
-        import difflib
-
-        close = difflib.get_close_matches(given, list(spec.remat_presets), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(given, spec.remat_presets)
         errors.append(
             (
                 "remat",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pydantic
+
+from remat_nn.errors import closest
 
 __all__ = ["ConfigError", "pydantic_errors"]
 
@@ -71,8 +72,8 @@ def pydantic_errors(
             if removed and path in removed:
                 out.append((path, removed[path]))
                 continue
-            close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc), n=1)
-            hint = f" did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+            close = closest(str(loc[-1]), _fields_at(model, loc))
+            hint = f" did you mean {'.'.join([*map(str, loc[:-1]), close])!r}?" if close else ""
             known = ", ".join(_fields_at(model, loc))
             out.append((path, f"unknown key;{hint} known keys: {known}"))
             continue
