@@ -215,7 +215,6 @@ class Checkpointer:
         step: int,
         state: TrainState,
         *,
-        data_position: int,
         data_state: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = False,
@@ -246,7 +245,7 @@ class Checkpointer:
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
                 f"last valid checkpoint is {self._last_valid()}."
             )
-        meta: dict[str, Any] = {"step": step, "data_position": data_position}
+        meta: dict[str, Any] = {"step": step}
         if data_state is not None:
             meta["data_state"] = data_state  # grain's iterator state: resumes the batches exactly
         head = {
@@ -365,8 +364,7 @@ class Checkpointer:
         """Restores ``step`` onto the shardings and dtypes of ``abstract_state`` (unverified).
 
         Returns:
-          The state and the meta dict (``step``, ``data_position`` and, when saved,
-          ``data_state``).
+          The state and the meta dict (``step`` and, when saved, ``data_state``).
         """
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

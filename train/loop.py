@@ -242,14 +242,6 @@ def restore_or_init(
             trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)
     else:
         state, meta, latest = found
-        if "data_state" not in meta:  # d
-            raise CheckpointError(
-                f"checkpoint step {latest} in {ckpt.directory} was written by the data loader "
-                f"before grain: it holds only data_position={meta.get('data_position')}, and "
-                "the grain pipeline orders the examples differently, so the run cannot continue "
-                "with the batches it would have seen. Fix: --restart (train again from step 0 "
-                "with this version), or finish the run with the remat_nn version that wrote it."
-            )
         resume = Resume(int(meta["step"]), dict(meta["data_state"]), latest)
         if exp.is_main:
             trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
@@ -563,7 +555,6 @@ class _Session:
         saved = ckpt.save(
             step,
             state,
-            data_position=self.batches.position,
             data_state=self.batches.get_state(),
             metrics=ranked,
             force=due.force,
