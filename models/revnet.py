@@ -6,8 +6,8 @@ residual functions of the ResNets (:class:`ResidualFn`) on half the channels, so
 reconstructed from outputs and activations need not be stored. The units that change the
 resolution or the width (the first of a stage) are not invertible and store their activations
 in the paper (Section 3.2); here they are recomputed in the backward pass by default (``remat``,
-:data:`REMAT_PRESETS`), which at RevNet-164's size halves the step's memory. The architectures
-are in :data:`ARCHS` (:mod:`models._cifar`).
+:data:`REMAT_PRESETS`): stored, they would hold most of the step's memory at RevNet-164's size
+(benchmarks/results/revnet.md). The architectures are in :data:`ARCHS` (:mod:`models._cifar`).
 
 References:
   Gomez, Ren, Urtasun, Grosse 2017, "The Reversible Residual Network: Backpropagation Without
@@ -208,10 +208,11 @@ def build_revnet(
     """Builds RevNet-``depth`` (38, 110 or 164); see :class:`RevNet` for the options.
 
     ``remat`` (the downsampling units' plan) unset: ``full`` with ``reversible=True`` (a RevNet
-    is trained for its memory, and the three stored downsampling units would hold most of it:
-    86% at RevNet-164's size, and recomputing them costs one more forward pass of those 2 or 3
-    units per step), ``none`` with ``reversible=False`` (the plain-autodiff reference keeps
-    everything). ``remat=none`` is the paper's RevNet, downsampling activations stored.
+    is trained for its memory, and the three stored downsampling units would hold most of it at
+    RevNet-164's size (benchmarks/results/revnet.md), and recomputing them costs one more
+    forward pass of those 2 or 3 units per step), ``none`` with ``reversible=False`` (the
+    plain-autodiff reference keeps everything). ``remat=none`` is the paper's RevNet,
+    downsampling activations stored.
 
     >>> build_revnet(depth=110).arch.widths
     (32, 64, 128)

@@ -41,7 +41,7 @@ from models._registry import load_builtin
 from remat_nn import format_bytes
 from remat_nn._jax_internals import saved_residuals
 
-__all__ = ["count_matmul_flops", "count_params", "example_batch", "loss_fn", "main"]
+__all__ = ["count_params", "example_batch", "loss_fn", "main"]
 
 
 # --- measurements -----------------------------------------------------------------------------
@@ -50,11 +50,6 @@ __all__ = ["count_matmul_flops", "count_params", "example_batch", "loss_fn", "ma
 def count_params(tree: Any) -> int:
     """Number of scalars in a pytree of arrays or ``ShapeDtypeStruct``s."""
     return sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(tree))
-
-
-# The counter the planner and the benchmarks use (remat_nn/_flops.py), under the name this
-# module has always exported.
-count_matmul_flops = rn.matmul_flops
 
 
 def example_batch(spec: models.ModelSpec, opts: pydantic.BaseModel, batch: int) -> jax.Array:

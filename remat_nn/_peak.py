@@ -1,36 +1,11 @@
 """What is live at XLA's peak: the buffers of a compiled program, by category, name and source line.
 
 :func:`explain_peak` compiles a function as :func:`remat_nn.compiled_memory` does, with XLA's
-debug dump switched on for that one compile (``compiler_options={"xla_dump_to": ...}``), and
-reads three of XLA's own files: the buffer assignment (every HLO value, the allocation it is
-placed in, its offset and size), the live ranges over the flattened instruction schedule, and
-the optimized HLO (each instruction's ``op_name`` and source stack frames).
-
-What is exact and what is attribution:
-
-- exact (XLA's numbers): each buffer's bytes, shape, allocation and offset, and its live range
-  over XLA's schedule; the peak moment is the schedule index where the bytes occupied in the
-  temporary allocation (the union of the live values' slices) are largest. The report's
-  ``peak_bytes`` is every argument and output allocation (reserved for the whole program, as
-  XLA counts them), the temp values live at that moment and the rest of the temp allocation
-  (``fragmentation``: bytes of the packed heap no value occupies then); it equals
-  temp + argument + output - alias of XLA's memory analysis to the byte, and
-  ``PeakReport.difference`` says so (the tests check it; a nonzero one is printed).
-- attribution (heuristics on XLA's op metadata): the source line (the innermost stack frame of
-  the defining instruction: the loop's line for a ``lax.scan`` / ``while`` carry), the category
-  (``transpose(`` in the op_name: backward; ``rematted_computation``: recomputed; a forward
-  value live into the backward: saved residual), the ``checkpoint_name`` (a name equation of the
-  traced function on a line of the value's stack, with the same dtype and shape, or the shape of
-  one layer of a scan's stacked residual), and argument roles (``opt_state`` / ``params`` in the
-  argument's pytree path, else its top-level name).
-
-A ``lax.scan`` (an XLA ``while``) runs its body's values inside the same temporary allocation:
-the schedule is flattened (condition and body at the loop's place), so one iteration's values
-appear at their own indices, and the loop's carry (the stacked residuals included) is named by
-the loop's source line. Sharded programs are explained per device (XLA compiles one program per
-device). Host memory (an offloaded residual, memory space ``S(5)`` on GPU / TPU) is listed
-apart, not in ``peak_bytes``; XLA:CPU has one memory, so there is none here. The same dump
-exists on GPU and TPU backends (not tested here: this machine has only a CPU).
+debug dump switched on for that one compile, and reads XLA's buffer assignment, live ranges and
+optimized HLO: the bytes and live ranges are XLA's own (``peak_bytes`` equals temp + argument +
+output - alias of its memory analysis), the category, checkpoint name and source line of each
+buffer are attributed from XLA's op metadata. What is exact, what is attributed, and where it
+applies (scans, sharded programs, host memory): docs/library.md, "The peak explainer in detail".
 """
 
 from __future__ import annotations

@@ -210,8 +210,8 @@ def _check_carry_policy(carry_policy: Any, levels: int) -> tuple[str, ...]:
 # last to first, re-running a chunk's forward to get its sub-chunks' carries where they were not
 # kept, and takes one step's VJP at a time. Every value of ``xs`` and every cotangent is read or
 # written in place at its step's index: slicing ``xs`` per chunk, as nested ``jax.checkpoint``
-# scans do, makes XLA copy the slices and the chunk's gradient (measured: 1 MiB per step of the
-# depth benchmark's stack, more than the carries saved).
+# scans do, makes XLA copy the slices and the chunk's gradient (more bytes than the carries
+# saved).
 
 
 def _inexact(leaf: Any) -> bool:

@@ -338,7 +338,7 @@ def _unroll(
 ) -> int | bool:
     """``unroll`` of every scan over layers, checked; ``None``: the measured default.
 
-    Measured on XLA:CPU (benchmarks/revnet.py, "Unrolled reversible stacks"): a stack of
+    On XLA:CPU (benchmarks/results/revnet.md, "Unrolled reversible stacks"): a stack of
     convolutional blocks runs many times faster unrolled (XLA:CPU runs convolutions in a while
     loop slowly, jax-ml/jax#12868); a stack of dense blocks runs no faster unrolled and compiles
     several times longer. So the default unrolls on CPU exactly when the block convolves (read

@@ -123,7 +123,7 @@ def test_save_leaves_the_crc32s_to_the_background_writer(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(manifest_lib, "_crc32", crc)
     ck = checkpointer(tmp_path)
-    assert ck.save(1, make_state(), data_position=0)
+    assert ck.save(1, make_state())
     assert threads == []  # save() returned without a single checksum
     gated_writer.set()
     ck.wait()
@@ -141,14 +141,14 @@ def test_state_deleted_as_soon_as_save_returns_is_still_checksummed(tmp_path, ga
     state = make_state()
     before = host(state)
     ck = checkpointer(tmp_path)
-    assert ck.save(1, state, data_position=3)
+    assert ck.save(1, state)
     for x in jax.tree.leaves(state):
         x.delete()
     gated_writer.set()
     ck.wait()
     restored, meta, step = ck.restore_latest(abstract(make_state()))
     ck.close()
-    assert step == 1 and meta == {"step": 1, "data_position": 3}
+    assert step == 1 and meta == {"step": 1}
     assert_equal(host(restored), before)
 
 
@@ -165,9 +165,9 @@ def test_nan_or_inf_state_is_refused_naming_the_leaves(tmp_path, dtype):
     mu = put(state.opt_state["mu"], (0, 0), np.inf)
     bad = state._replace(params={**state.params, "w0": w0}, opt_state={"mu": mu})
     ck = checkpointer(tmp_path)
-    assert ck.save(1, state, data_position=0)
+    assert ck.save(1, state)
     with pytest.raises(CheckpointError) as e:
-        ck.save(2, bad, data_position=0)
+        ck.save(2, bad)
     ck.wait()
     ck.close()
     named = "non-finite values in ['opt_state']['mu'], ['params']['w0']"  # in tree order
@@ -189,7 +189,7 @@ def test_per_shard_crc32_finds_one_flipped_byte_in_one_fsdp_shard(tmp_path):
     state = make_state()
     ck = checkpointer(tmp_path / "run")
     for step in (1, 2):
-        assert ck.save(step, state, data_position=step)
+        assert ck.save(step, state)
     ck.wait()
     ck.close()
     leaves = manifest_lib.read_manifest(tmp_path / "run" / "2")["leaves"]
@@ -199,7 +199,7 @@ def test_per_shard_crc32_finds_one_flipped_byte_in_one_fsdp_shard(tmp_path):
     )
     # Step 2's files replaced by a save whose w1 differs in one byte of rows 10:12.
     other = checkpointer(tmp_path / "other")
-    assert other.save(2, make_state(flip=("w1", 10)), data_position=2)
+    assert other.save(2, make_state(flip=("w1", 10)))
     other.wait()
     other.close()
     _swap_in_state_of(tmp_path / "other" / "2", tmp_path / "run" / "2")
@@ -221,7 +221,7 @@ def test_whole_leaf_crc32_of_older_manifests_still_verifies_a_sharded_leaf(tmp_p
     # and no config_hash: still checked, still accepted.
     state = make_state()
     ck = checkpointer(tmp_path, config_hash="h")
-    assert ck.save(1, state, data_position=0)
+    assert ck.save(1, state)
     ck.wait()
     ck.close()
     path = tmp_path / "1" / manifest_lib.MANIFEST
@@ -258,7 +258,7 @@ def test_keep_best_retains_the_best_step_beside_the_latest(tmp_path, metric, val
     cfg = Checkpoint(every=1, keep=2, keep_best=1, best_metric=metric)
     ck = Checkpointer(tmp_path, cfg, warn=[].append)
     for step, value in enumerate(values, start=1):
-        assert ck.save(step, state, data_position=step, metrics={metric: value})
+        assert ck.save(step, state, metrics={metric: value})
         ck.wait()
     ck.close()
     assert sorted(int(n) for n in entries(tmp_path)) == [2, 5, 6]
@@ -273,7 +273,7 @@ def test_keep_best_step_survives_a_restart(tmp_path):
         ck = Checkpointer(tmp_path, cfg, warn=[].append)
         for step, loss in steps:
             metrics = None if loss is None else {"eval_loss": loss}
-            assert ck.save(step, state, data_position=step, metrics=metrics)
+            assert ck.save(step, state, metrics=metrics)
             ck.wait()
         ck.close()
     assert entries(tmp_path) == ["1", "4"]
@@ -284,10 +284,10 @@ def test_older_steps_stay_until_the_newer_one_is_complete(tmp_path, gated_writer
     state = make_state()
     ck = Checkpointer(tmp_path, Checkpoint(every=1, keep=1, keep_best=0), warn=[].append)
     gated_writer.set()
-    assert ck.save(1, state, data_position=1)
+    assert ck.save(1, state)
     ck.wait()
     gated_writer.clear()  # step 2's manifest is held back
-    assert ck.save(2, state, data_position=2)
+    assert ck.save(2, state)
     ck._manager.wait_until_finished()  # orbax has renamed step 2 into place
     assert entries(tmp_path) == ["1", "2"] and not (tmp_path / "2" / manifest_lib.MANIFEST).exists()
     gated_writer.set()
@@ -300,7 +300,7 @@ def _save_steps(directory: Path, steps: list[int]) -> TrainState:
     state = make_state()
     ck = checkpointer(directory)
     for step in steps:
-        assert ck.save(step, state, data_position=step)
+        assert ck.save(step, state)
         ck.wait()
     ck.close()
     return state
@@ -313,7 +313,7 @@ def test_step_without_manifest_falls_back_to_the_newest_valid_one_and_says_so(tm
     (tmp_path / "3" / manifest_lib.MANIFEST).unlink()
     warnings: list[str] = []
     restored, meta, step = checkpointer(tmp_path, warnings=warnings).restore_latest(abstract(state))
-    assert step == 2 and meta["data_position"] == 2
+    assert step == 2 and meta["step"] == 2
     assert_equal(host(restored), host(state))
     (warning,) = warnings
     assert "step 3: no-manifest: no manifest.json" in warning, warning
@@ -402,7 +402,7 @@ def test_each_damaged_leaf_is_named_and_its_step_set_aside(tmp_path, leaf, two_g
         lambda p, x: _changed(x) if jax.tree_util.keystr(p) == leaf else x, tree
     )
     other = checkpointer(tmp_path / "other")
-    assert other.save(2, TrainState(**damaged), data_position=2)
+    assert other.save(2, TrainState(**damaged))
     other.wait()
     other.close()
     _swap_in_state_of(tmp_path / "other" / "2", run / "2")
@@ -430,7 +430,7 @@ def test_damaged_and_manifest_less_steps_are_all_listed_when_none_verifies(tmp_p
 def test_step_written_with_another_config_is_refused_unless_allowed(tmp_path):
     state = make_state()
     ck = checkpointer(tmp_path, config_hash="a" * 64)
-    assert ck.save(3, state, data_position=0)
+    assert ck.save(3, state)
     ck.wait()
     ck.close()
 
@@ -517,7 +517,7 @@ def test_rematerialize_holds_the_state_plus_one_leaf(copy_peaks):
 def test_restore_latest_donatable_peak_is_the_state_plus_one_leaf(tmp_path, copy_peaks, cast):
     state = make_state(leaves=6, rows=64, cols=1024)
     ck = checkpointer(tmp_path)
-    assert ck.save(1, state, data_position=0)
+    assert ck.save(1, state)
     ck.wait()
     saved_bytes = device_bytes(state)
     target = abstract(state)
@@ -543,7 +543,7 @@ def test_restore_latest_donatable_peak_is_the_state_plus_one_leaf(tmp_path, copy
 def test_restore_latest_casts_only_the_leaves_whose_dtype_differs(tmp_path, copy_peaks):
     state = make_state()
     ck = checkpointer(tmp_path)
-    assert ck.save(1, state, data_position=0)
+    assert ck.save(1, state)
     ck.wait()
     target = abstract(state)
     w0 = target.params["w0"]
@@ -567,11 +567,11 @@ def _worker(directory: str, other: str) -> None:
     me = jax.process_index()
     ck = checkpointer(Path(directory))
     for step in (1, 2):
-        assert ck.save(step, state, data_position=step)
+        assert ck.save(step, state)
     ck.wait()
     ck.close()
     ck = checkpointer(Path(other))
-    assert ck.save(2, make_state(flip=("w1", 13)), data_position=2)
+    assert ck.save(2, make_state(flip=("w1", 13)))
     ck.wait()
     ck.close()
     multihost.sync("saved")

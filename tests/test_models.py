@@ -446,7 +446,7 @@ def test_summary_transformer(capsys):
 def test_flop_counter_counts_scan_length():
     w = jnp.ones((5, 4, 4))
     f = lambda x: jax.lax.scan(lambda c, wi: (c @ wi, None), x, w)[0]
-    assert summary.count_matmul_flops(f, jnp.ones((2, 4))) == 5 * 2 * 2 * 4 * 4
+    assert rn.matmul_flops(f, jnp.ones((2, 4))) == 5 * 2 * 2 * 4 * 4
 
 
 # --- JAX's upgrade flags ------------------------------------------------------------------------

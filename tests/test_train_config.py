@@ -341,17 +341,6 @@ def test_other_changes_keep_their_verdicts():
 # --- optimizer options ----------------------------------------------------------------------------
 
 
-def test_decay_all_is_refused_naming_its_replacement(tmp_path):
-    for value in ("true", "false"):
-        errs = errors_of(None, [f"optim.decay_all={value}"])
-        assert set(errs) == {"optim.decay_all"}
-        assert "optim.decay_exclude" in errs["optim.decay_all"]
-        assert "decay_exclude: []" in errs["optim.decay_all"]  # what decay_all: true means
-    old = tmp_path / "old.yaml"
-    old.write_text("optim: {weight_decay: 5e-4, decay_all: true}\n")
-    assert "decay_exclude" in errors_of(old)["optim.decay_all"]
-
-
 def test_decay_exclude_and_schedule_steps_defaults_and_values():
     cfg = load_config(None, [])
     assert cfg.optim.decay_exclude == ["bias", "scale"] and cfg.optim.schedule_steps is None

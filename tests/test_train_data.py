@@ -249,16 +249,14 @@ def test_eval_batches_pad_and_mask_the_last_batch():
     assert sum(b["mask"].sum() for b in batches) == ds.num_examples("test") == 5
 
 
-def test_a_checkpoint_without_grain_state_is_refused_naming_the_fix(tmp_path):
-    # A checkpoint of the loader before grain holds only data_position; the grain pipeline orders
-    # the examples differently, so it cannot continue the same batches: CheckpointError (exit
-    # code 4) naming --restart. The checkpoint and the experiment are stand-ins: the refusal
-    # comes before the restored state is used.
+def test_a_checkpoint_resumes_from_its_grain_state(tmp_path):
+    # The checkpoint and the experiment are stand-ins: the step and grain's iterator state come
+    # from the checkpoint's meta.
     from types import SimpleNamespace
 
     from train import loop
 
-    class OldCheckpoint:
+    class FakeCheckpoint:
         directory = tmp_path / "checkpoints"
 
         def __init__(self, meta):
@@ -268,10 +266,6 @@ def test_a_checkpoint_without_grain_state_is_refused_naming_the_fix(tmp_path):
             return None, self.meta, 2
 
     exp = SimpleNamespace(abstract=None, is_main=False, say=lambda s: None)
-    old = OldCheckpoint({"step": 2, "data_position": 2})
-    with pytest.raises(loop.CheckpointError, match="before grain") as info:
-        loop.restore_or_init(exp, old, allow_dtype_cast=False, allow_config_change=False)
-    assert "data_position=2" in str(info.value) and "Fix: --restart" in str(info.value)
-    new = OldCheckpoint({"step": 2, "data_position": 2, "data_state": {"next_index": 2}})
+    new = FakeCheckpoint({"step": 2, "data_state": {"next_index": 2}})
     _, resume = loop.restore_or_init(exp, new, allow_dtype_cast=False, allow_config_change=False)
     assert resume == loop.Resume(step=2, data_state={"next_index": 2}, checkpoint=2)

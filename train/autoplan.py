@@ -74,7 +74,7 @@ class AutoChoice:
 
 def read_choice(path: Path) -> AutoChoice:
     """The choice saved in ``path``: either form :meth:`AutoChoice.to_yaml` writes (a bare plan
-    mapping is a plan file from before variants: the model as configured)."""
+    mapping, written when no variant is chosen: the model as configured)."""
     data = yaml.safe_load(path.read_text())
     if isinstance(data, Mapping) and "model_options" in data:
         return AutoChoice(rn.plan(data["plan"]), dict(data["model_options"]), data.get("variant"))

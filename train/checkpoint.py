@@ -1,49 +1,10 @@
-"""Orbax checkpointing, in one place.
+"""Orbax checkpointing, in one place: :class:`Checkpointer` saves, keeps and restores steps.
 
-A checkpoint is one step directory holding two items: ``state`` (the whole :class:`TrainState`,
-each array saved by its shards) and ``meta`` (JSON: the step, the data position and the data
-iterator's grain state).
-Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
-complete), so a run killed mid-save leaves the previous checkpoint as the latest complete one.
-The last ``keep`` complete checkpoints are kept, plus the best ``keep_best`` by the eval metric
-recorded in their manifests (so the ranking survives a restart). Orbax deletes nothing: older
-steps are deleted by :meth:`Checkpointer.save` / :meth:`Checkpointer.wait` only once a newer
-step is complete (its manifest written), so a kill at any moment leaves a usable step.
-
-Restores take the target shardings from the current mesh, so a checkpoint written on 8 devices
-restores onto 1 and back.
-
-Integrity (:mod:`train.manifest`): each step gets a manifest once orbax has renamed it into
-place. :meth:`Checkpointer.restore_latest` restores the newest step whose manifest matches the
-restored bytes, moves each bad one aside to ``<N>.corrupt-<reason>`` with a warning naming the
-leaf, and refuses (listing every rejected step) when none verifies. A step without a manifest
-(a save killed after orbax's rename, or a lost manifest) cannot be verified: it is set aside like
-a damaged one (``<N>.corrupt-no-manifest``) and the newest step that verifies is restored. Once
-a step was complete, the folder holds a marker (``.checkpointed``): with it, finding no usable
-step is an error (never a silent start at step 0, in this invocation or a later one); without
-it (a kill during the first save) the run starts at step 0, with a warning listing what was set
-aside. A storage error while reading (:class:`CheckpointUnavailableError`) sets nothing aside.
-A checkpoint whose leaf paths, shapes or dtypes differ from
-the config's state is refused before restoring, and so is one written with another config (its
-manifest's ``config_hash``) unless that is allowed.
-
-What a save costs the train step: :meth:`Checkpointer.save` checks the state for NaN/Inf on
-the devices (one small transfer), starts device-to-host copies of the shards it checksums and
-returns once orbax's own synchronous part is done and those host copies are in hand (the caller
-donates the state right after). The crc32s are computed in the background thread that waits for
-orbax and then writes the manifest.
-
-Several processes: each checksums the shards it holds as replica 0 and writes its own part of
-the manifest (``manifest.json`` by process 0, ``manifest.process-<i>.json`` by process ``i``; a
-step missing a part is an unfinished save). On restore each process verifies the saved shards
-its devices hold; the verdict on each step is combined over all processes
-(``multihost_utils.process_allgather``), so every process accepts or rejects the same steps,
-and only process 0 moves rejected ones aside.
-
-Restore memory: a step is restored in its saved dtypes and verified one leaf at a time from host
-copies; only leaves whose dtype differs are cast, and ``donatable=True`` (or
-:func:`rematerialize`) gives every leaf a fresh XLA-owned buffer (jax#18617), each deleting the
-leaf it replaces, so the peak is the state plus one leaf.
+A step directory holds ``state`` (the whole :class:`TrainState`, each array saved by its shards)
+and ``meta`` (JSON: the step and the data iterator's grain state). Saves are asynchronous and
+atomic; each step is verified against its manifest (:mod:`train.manifest`) before it is
+restored onto the current mesh. What is guaranteed when things go wrong, and how saves, restores
+and several processes work: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -215,7 +176,6 @@ class Checkpointer:
         step: int,
         state: TrainState,
         *,
-        data_position: int,
         data_state: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         force: bool = False,
@@ -246,7 +206,7 @@ class Checkpointer:
                 f"refusing to save step {step}: non-finite values in {', '.join(bad[:5])}. The "
                 f"last valid checkpoint is {self._last_valid()}."
             )
-        meta: dict[str, Any] = {"step": step, "data_position": data_position}
+        meta: dict[str, Any] = {"step": step}
         if data_state is not None:
             meta["data_state"] = data_state  # grain's iterator state: resumes the batches exactly
         head = {
@@ -365,8 +325,7 @@ class Checkpointer:
         """Restores ``step`` onto the shardings and dtypes of ``abstract_state`` (unverified).
 
         Returns:
-          The state and the meta dict (``step``, ``data_position`` and, when saved,
-          ``data_state``).
+          The state and the meta dict (``step`` and, when saved, ``data_state``).
         """
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

@@ -1,25 +1,10 @@
 """Data sets, and training batches through a grain pipeline.
 
-Every source except ``tokens`` is loaded once into host memory as numpy arrays
-(:class:`Dataset`); ``tokens`` memory-maps its file, so only the windows a batch needs are read.
-Nothing is downloaded at run time. The embedded defaults are real data that every install has:
-
-- ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes), split
-  into train/test by a fixed seed.
-- ``corpus``: the Python documentation topics shipped in the standard library
-  (``pydoc_data.topics``), as UTF-8 bytes (a 256-token character-level LM corpus).
-
-Users' own data comes in standard formats: a CIFAR-10 python-pickle directory, MNIST IDX files,
-``.npz`` arrays, plain text files and flat binary token files. ``synthetic`` makes random data
-of a given shape. Images may be normalized per channel (the training split's mean and standard
-deviation, applied to both splits at load) and, for training, augmented with the RevNet paper's
-pad-4 random crop and horizontal flip (:func:`crop_flip`).
-
-Training batches come from a `grain <https://google-grain.readthedocs.io>`_ ``MapDataset``
-(:func:`train_pipeline`): grain shuffles the example ids per epoch, batches them, repeats, draws
-the augmentation per step and reads the rows on its prefetch threads. Everything is a function of
-``(seed, step)``, so grain's iterator state is just the next step, which the checkpoint stores
-(:meth:`Batches.get_state`); a resumed run sees exactly the batches the uninterrupted run would.
+:func:`load` reads a configured source into host memory (:class:`Dataset`; ``tokens`` is
+memory-mapped); :class:`Batches` / :func:`train_pipeline` make the training batches with grain,
+each a function of ``(seed, step)``, so grain's iterator state is just the next step and a
+resumed run sees exactly the batches the uninterrupted run would. The sources, normalization,
+augmentation and the multi-process split: docs/trainer.md, "Train on your data".
 
 >>> ds = load(Data(source="synthetic", synthetic={"num_examples": 10, "image_shape": (2, 2, 1)}),
 ...           task="classify")

@@ -9,17 +9,8 @@ A run takes five named steps, read in :func:`run` top to bottom:
 2. :func:`train.experiment.build_experiment` — data, model, mesh, optimizer, and the train step
    compiled ahead of time with the whole :class:`TrainState` donated (proved from XLA's alias
    bytes).
-3. :func:`restore_or_init` — resume, in this order (unless ``restart``):
-     a. find the newest *verified* checkpoint (orbax renames a step directory into place only
-        when its save finished; its manifest must match its leaves' shapes, dtypes and
-        checksums; a step that does not verify is moved aside, see train/checkpoint.py);
-     b. restore the state onto this run's mesh shardings (any device count);
-     c. re-materialise it on device, so the first step donates like every other (jax#18617);
-     d. restore the data iterator's grain state, so batches continue exactly (a checkpoint
-        written before the grain pipeline holds only a position and is refused: its data order
-        cannot be continued);
-     e. drop lines of metrics.jsonl past the restored step (logged after that checkpoint; all
-        of them when starting at step 0), rewriting it atomically (train/metrics_file.py).
+3. :func:`restore_or_init` — resume from the newest verified checkpoint (unless ``restart``),
+   in the order its docstring gives.
 4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
    eval and checkpoint steps; in between, steps are dispatched asynchronously and their metrics
    stay on device. SIGTERM / SIGINT stop the loop at a step boundary every process agrees on
@@ -209,14 +200,26 @@ class Resume:
 def restore_or_init(
     exp: Experiment, ckpt: Checkpointer, *, allow_dtype_cast: bool, allow_config_change: bool
 ) -> tuple[TrainState, Resume]:
-    """The newest verified checkpoint's state (steps a-e of the module docstring), or a fresh one.
+    """The newest verified checkpoint's state, or a fresh one.
+
+    Resumes in this order:
+
+    1. find the newest *verified* checkpoint (orbax renames a step directory into place only
+       when its save finished; its manifest must match its leaves' shapes, dtypes and
+       checksums; a step that does not verify is moved aside, see train/checkpoint.py);
+    2. restore the state onto this run's mesh shardings (any device count);
+    3. re-materialise it on device, so the first step donates like every other (jax#18617);
+    4. restore the data iterator's grain state, so batches continue exactly;
+    5. drop lines of metrics.jsonl past the restored step (logged after that checkpoint; all
+       of them when starting at step 0), rewriting it atomically (train/metrics_file.py).
 
     Raises:
       CheckpointError: steps exist but none verifies, or the newest does not fit the config.
       DonationError: one buffer at two leaves of the state.
     """
-    # a, b, c: the newest verified step, restored onto this mesh with every leaf re-made in an
-    # XLA-owned buffer one at a time (peak: the state plus one leaf), so the first step donates.
+    # Find, restore and re-materialise: the newest verified step, restored onto this mesh with
+    # every leaf re-made in an XLA-owned buffer one at a time (peak: the state plus one leaf), so
+    # the first step donates.
     try:
         found = ckpt.restore_latest(
             exp.abstract,
@@ -242,17 +245,10 @@ def restore_or_init(
             trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)
     else:
         state, meta, latest = found
-        if "data_state" not in meta:  # d
-            raise CheckpointError(
-                f"checkpoint step {latest} in {ckpt.directory} was written by the data loader "
-                f"before grain: it holds only data_position={meta.get('data_position')}, and "
-                "the grain pipeline orders the examples differently, so the run cannot continue "
-                "with the batches it would have seen. Fix: --restart (train again from step 0 "
-                "with this version), or finish the run with the remat_nn version that wrote it."
-            )
+        # grain's iterator state: the batches continue where the checkpoint left them.
         resume = Resume(int(meta["step"]), dict(meta["data_state"]), latest)
-        if exp.is_main:
-            trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)  # e
+        if exp.is_main:  # steps after the checkpoint run again: their lines are logged again
+            trim_metrics(exp.run_dir / "metrics.jsonl", resume.step)
         exp.say(f"resumed from {ckpt.directory / str(latest)} (step {resume.step})")
     # One buffer at two leaves would be donated twice; say which leaves, before the first step.
     donation.check_distinct_buffers(state)
@@ -563,7 +559,6 @@ class _Session:
         saved = ckpt.save(
             step,
             state,
-            data_position=self.batches.position,
             data_state=self.batches.get_state(),
             metrics=ranked,
             force=due.force,

@@ -1,23 +1,10 @@
 """Analysis: which values the reverse walk can know, and how, by one monotone closure.
 
-Starting from what the backward pass holds (the outputs, and the inputs it keeps), two rules
-are applied until nothing changes:
-
-- **forward**: an equation whose operands are all known makes its outputs known (recompute);
-- **inverse**: an equation whose outputs are all known, and whose rule can rebuild its unknown
-  operands from them and the known ones, makes those operands known (reconstruct).
-
-Both only ever add values, and whether a rule applies only gets easier as more is known, so the
-result is the least fixpoint: the same set whatever the statement order of the function. Where a
-value can be derived several ways, recomputation wins over inversion, and among inversions the
-best conditioned (exact, then checked at run time, then additive); the order
-depends on the dataflow only, so a reordered program gets the same derivations. Each value
-records its derivation; those form a DAG the walk follows.
-
-Which inputs are kept: those no rule could ever rebuild (weights, constants: the caller holds
-them anyway), then, only if the closure still misses a value the backward pass needs, the fewest
-further inputs (greedily, the input that makes the most needed values known, then the smallest).
-Intermediates are never stored: every value is reconstructed or recomputed from kept inputs.
+From what the backward pass holds (the outputs and the inputs it keeps), recomputation
+(operands known -> outputs known) and inversion (outputs known -> operands rebuilt) are applied
+to a least fixpoint, the same whatever the statement order; each value records its derivation
+for the walk, and the fewest inputs are kept. The rules, the order of preference and the choice
+of kept inputs: remat_nn/invertible/README.md, section 2.
 """
 
 from __future__ import annotations

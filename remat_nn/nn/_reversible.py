@@ -125,8 +125,9 @@ class ReversibleSequence(fnn.Module):
         module's key of that stream).
       unroll: ``unroll`` of the scans over layers (forward, backward, inverse), see
         :func:`remat_nn.reversible_scan`: a positive int or ``True``; ``None`` (default):
-        ``True`` on CPU if the coupling convolves, else ``1`` (what measured fastest). Speed
-        and compile time only: the same variables, results and stored activations.
+        ``True`` on CPU if the coupling convolves, else ``1`` (the faster on each backend:
+        benchmarks/results/revnet.md, "Unrolled reversible stacks"). Speed and compile time
+        only: the same variables, results and stored activations.
 
     >>> import jax, jax.numpy as jnp, flax.linen as fnn, remat_nn as rn
     >>> from remat_nn import nn

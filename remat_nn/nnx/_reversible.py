@@ -1,19 +1,10 @@
 """``ReversibleSequence`` for Flax NNX: a stack of couplings whose backward stores no activations.
 
-A thin layer over the pure core, :func:`remat_nn.reversible_scan`. The layers are created the
-NNX way for scan-over-layers: one ``nnx.vmap`` of the layer's constructor under
-``nnx.split_rngs(splits=depth)``, so every ``Param`` and every other variable (``BatchStat``,
-RNG streams) carries a leading layer axis, the layout ``nnx.scan`` takes (``seq.layers`` can be
-run by ``nnx.scan`` as is: the tests use that as the plain-autodiff reference). At call time the
-stacked layers are split (``nnx.split``) into parameters (differentiated) and the rest (per-layer
-constants of the core), one layer's slice is merged back and its ``apply_f`` / ``apply_g`` run
-inside the core's scan, and the updated state is written back (``nnx.update``).
-
-RNG streams: a layer's F and G see keys derived from the layer's stream state before the call
-(``fold_in(key, 0)`` for F, ``fold_in(key, 1)`` for G) in the forward pass, in the backward's
-reconstruction and in :meth:`ReversibleSequence.inverse` alike, so dropout masks match; after the
-forward pass every stream count advances by one, so the next call draws new masks. (NNX streams
-count their draws; the backward cannot replay F's draws before G's, hence the fixed split.)
+A thin layer over the pure core, :func:`remat_nn.reversible_scan`: the layers are built by one
+``nnx.vmap`` under ``nnx.split_rngs`` (the layout ``nnx.scan`` takes) and split into parameters
+and per-layer state at call time; F and G draw their keys from the layer's stream state before
+the call, so the backward's reconstruction replays the forward's dropout masks. How the layers,
+the state and the RNG streams are handled: docs/library.md, "Flax NNX".
 
 References:
   Gomez et al. (2017). The Reversible Residual Network: Backpropagation Without Storing

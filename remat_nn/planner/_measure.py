@@ -75,9 +75,9 @@ def _time(
     """Races ``executables`` on ``args``; returns each one's time relative to the winner's, and
     the number of rounds run.
 
-    Single step times on a shared machine vary by 30%, and close plans differ by a few percent, so
-    every round runs each remaining candidate once, in a fresh random order (no candidate always
-    runs first), and candidates are compared within a round (a slow spell spanning the round
+    Single step times on a shared machine vary more than close plans differ, so every round
+    runs each remaining candidate once, in a fresh random order (no candidate always runs
+    first), and candidates are compared within a round (a slow spell spanning the round
     cancels). From ``min_rounds`` on, a candidate is dropped once it is slower than the leader in
     3 of 4 rounds and by more than ``margin`` in median; the race ends when one is left or after
     ``rounds`` rounds. The leader has the least median over rounds of its time over the round's

@@ -147,13 +147,14 @@ def _corrected(
     error at the nearest compiled plan.
 
     Kept names interact in ways the single-name compiles cannot show: on the benchmark
-    transformer, saving ``out_proj`` alone lowers the temp by 24 MiB more than its stack, but
-    saving it with ``context`` and the q / k / v projections lowers it by nothing (140.20 MiB
-    compiled, 116.17 MiB by the additive model). A compiled plan measures the interaction among
-    its names, and a plan that differs from it in a few small names mostly shares it; so the
-    model's error at the compiled plan nearest to ``the_plan`` (least bytes of the names whose
-    action differs; among as near ones, the one keeping the most of its kept names: they carry
-    the interactions) is added to the additive estimate. The calibration compiles have no error.
+    transformer, saving ``out_proj`` alone lowers the temp by more than its stack, but saving it
+    with ``context`` and the q / k / v projections lowers it by nothing, so the additive model
+    predicts too little (docs/planner.md; benchmarks/results/planner_interactions.md). A
+    compiled plan measures the interaction among its names, and a plan that differs from it in
+    a few small names mostly shares it; so the model's error at the compiled plan nearest to
+    ``the_plan`` (least bytes of the names whose action differs; among as near ones, the one
+    keeping the most of its kept names: they carry the interactions) is added to the additive
+    estimate. The calibration compiles have no error.
     """
     estimate = floor + _predict(costs, the_plan)
     kept = {c.name for c in costs if the_plan.action(c.name) != "recompute"}

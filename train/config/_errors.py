@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pydantic
@@ -52,8 +52,6 @@ def pydantic_errors(
     e: pydantic.ValidationError,
     model: type[pydantic.BaseModel],
     prefix: str = "",
-    *,
-    removed: Mapping[str, str] | None = None,
 ) -> list[tuple[str, str]]:
     """``e``'s errors as ``(dotted path, one-line message)``, with did-you-mean for unknown keys.
 
@@ -61,17 +59,12 @@ def pydantic_errors(
       e: the validation error of ``model``.
       model: the validated model (its fields make the did-you-mean hints).
       prefix: dotted path of ``model`` in the whole config (``model.options``).
-      removed: dotted paths of keys that no longer exist -> what replaces them, shown instead
-        of "unknown key".
     """
     out = []
     for err in e.errors(include_url=False):
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         path = ".".join(filter(None, [prefix, _dotted(loc)]))
         if err["type"] == "extra_forbidden":
-            if removed and path in removed:
-                out.append((path, removed[path]))
-                continue
             close = closest(str(loc[-1]), _fields_at(model, loc))
             hint = f" did you mean {'.'.join([*map(str, loc[:-1]), close])!r}?" if close else ""
             known = ", ".join(_fields_at(model, loc))

@@ -13,7 +13,7 @@ import yaml
 
 from train.config._checks import cross_section_errors, registry_errors, registry_inputs
 from train.config._errors import ConfigError, pydantic_errors
-from train.config._schema import REMOVED_KEYS, Config
+from train.config._schema import Config
 from train.config._yaml import apply_overrides, read_text, read_yaml
 
 __all__ = ["dump_config", "load_config"]
@@ -59,7 +59,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     try:
         cfg = Config.model_validate(tree)
     except pydantic.ValidationError as e:
-        found = pydantic_errors(e, Config, removed=REMOVED_KEYS)
+        found = pydantic_errors(e, Config)
         errors += [err for err in found if err[0] not in reported]
     errors += registry_errors(*registry_inputs(tree, cfg))
     if cfg is not None:

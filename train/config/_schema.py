@@ -23,7 +23,6 @@ PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 UserPath = Annotated[str, pydantic.AfterValidator(os.path.expanduser)]
 
 __all__ = [
-    "REMOVED_KEYS",
     "RESUME_SAFE",
     "Checkpoint",
     "Config",
@@ -42,14 +41,6 @@ __all__ = [
 
 #: The ``json_schema_extra`` key that marks a field (or a whole section) resume-safe.
 RESUME_SAFE = "resume_safe"
-
-#: Keys that no longer exist -> what replaces them (shown instead of "unknown key").
-REMOVED_KEYS = {
-    "optim.decay_all": "removed; use optim.decay_exclude, the fnmatch globs of parameters not "
-    "decayed. Fix: for decay_all: true write decay_exclude: [] (decay every parameter); for "
-    "decay_all: false drop it (the default decay_exclude: [bias, scale] spares biases and norm "
-    "scales)",
-}
 
 
 def safe_field(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
