@@ -31,6 +31,7 @@ from train import losses as losses_lib
 from train import multihost
 from train import state as state_lib
 from train.config import AutoRequest
+from train.durable import write_text
 from train.errors import SetupError
 
 __all__ = ["PLAN_FILE", "AutoChoice", "load_or_plan", "read_choice"]
@@ -221,9 +222,7 @@ def _checked_form(
 
 
 def _write_plan(path: Path, report: Any, choice: AutoChoice) -> None:
-    # The planner's report as a comment above the choice, renamed into place.
+    # The planner's report as a comment above the choice, written durably (temp, fsync, rename).
     path.parent.mkdir(parents=True, exist_ok=True)
     header = "".join(f"# {line}\n" for line in str(report).splitlines())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + choice.to_yaml())
-    tmp.replace(path)
+    write_text(path, header + choice.to_yaml())
