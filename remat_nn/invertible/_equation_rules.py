@@ -29,7 +29,7 @@ from remat_nn._jax_internals import (
     remat_p,
     scan_p,
 )
-from remat_nn.invertible import _primitive_rules
+from remat_nn.invertible import _errors, _primitive_rules
 from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
 
 
@@ -43,12 +43,13 @@ class Nesting(Protocol):
         ...
 
 
+# The errors known values carry into a rule or a walk (see ``_errors``): (inputs, outputs), each
+# a float32 scalar (an absolute error) or None (exact); None at positions to rebuild.
+Errors = tuple[list[Any], list[Any]]
 # The walk, as the rules of calls and scans run it on their body's analysis (``_walk.execute``):
-# (analysis, inputs with None to rebuild, outputs, output cotangents or None)
-#   -> (all inputs, their cotangents or None, failed-check code or None).
-Walk = Callable[
-    [Any, list[Any], list[Any], list[Any] | None], tuple[list[Any], list[Any] | None, Any]
-]
+# (analysis, inputs with None to rebuild, outputs, output cotangents or None, errs=Errors)
+#   -> (all inputs, their cotangents or None, failed-check code or None, the inputs' errors).
+Walk = Callable[..., tuple[list[Any], list[Any] | None, Any, list[Any]]]
 
 
 def combine_codes(code: Any, new: Any) -> Any:
@@ -57,7 +58,7 @@ def combine_codes(code: Any, new: Any) -> Any:
         return code
     if code is None:
         return new
-    return jnp.where(code != 0, code, new)
+    return _errors.settle(jnp.where(code != 0, code, new))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +93,14 @@ class EquationRule(Protocol):
         outs: list[Any],
         couts: list[Any] | None,
         walk: Walk,
-    ) -> tuple[list[Any], list[Any] | None, Any]:
-        """Returns (all operands, their cotangents or None, failed-check code or None).
+        errs: Errors | None = None,
+    ) -> tuple[list[Any], list[Any] | None, Any, list[Any] | None]:
+        """Returns (all operands, their cotangents or None, failed-check code or None, the
+        rebuilt operands' errors or None).
 
         ``ins`` has ``None`` at the operands to rebuild; ``couts`` is None to only rebuild.
-        ``walk`` runs a body's analysis (the walk running this rule passes itself).
+        ``walk`` runs a body's analysis (the walk running this rule passes itself). ``errs``:
+        the errors the known operands and the outputs carry (None: the walk tracks none).
         """
         ...
 
@@ -143,7 +147,7 @@ class SimpleRule:
             rtol=analysis.rtol,
         )
 
-    def run(self, eqn, assessment, ins, outs, couts, walk):
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
         del couts, walk
         holes = tuple(p for p, x in enumerate(ins) if x is None)
         invals = [
@@ -152,7 +156,7 @@ class SimpleRule:
         ]
         if all(math.prod(invals[p].shape) == 0 for p in holes):  # nothing to rebuild
             new = [jnp.zeros(x.shape, x.dtype) if p in holes else x for p, x in enumerate(invals)]
-            return new, None, None
+            return new, None, None, None
         new = list(self.rule.inverse(invals, list(outs), **eqn.params))
         if len(new) != len(ins):
             raise TypeError(
@@ -166,14 +170,47 @@ class SimpleRule:
                     f"rn.invertible: the inverse rule of `{eqn.primitive.name}` reconstructed "
                     f"operand {p} as {aval_str(got)}, expected {aval_str(aval)}."
                 )
-        ok, guard, bound = None, self.rule.guard, self.rule.bound
+        ok, guard, bound, own = None, self.rule.guard, self.rule.bound, None
         if assessment.lossy is not None and guard is not None:  # lossy: the guard said why
             ok = guard.ok(invals, list(outs), new, holes, **eqn.params)
         if assessment.bounded is not None and bound is not None:
             tol = _primitive_rules.tolerance(assessment.rtol, new[holes[0]].dtype)
-            within = bound.error(invals, list(outs), new, holes, **eqn.params) <= tol
-            ok = within if ok is None else ok & within
-        return [new[p] if x is None else x for p, x in enumerate(ins)], None, ok
+            per_element = bound.error(invals, list(outs), new, holes, **eqn.params)
+            rel = _primitive_rules.relative(per_element, new[holes[0]])
+            ok = rel <= tol if ok is None else ok & (rel <= tol)
+            zero = jnp.zeros((), jnp.float32)
+            own = _errors.summarize(
+                jnp.broadcast_to(per_element, new[holes[0]].shape), new[holes[0]], zero
+            )
+        new_errs = None
+        if errs is not None:
+            new_errs = self._inherited(eqn, invals, outs, new, holes, errs)
+            if own is not None:
+                new_errs[holes[0]] = _errors.add(new_errs[holes[0]], own)
+        return [new[p] if x is None else x for p, x in enumerate(ins)], None, ok, new_errs
+
+    def _inherited(self, eqn, invals, outs, new, holes, errs) -> list:
+        """The errors the rebuilt operands inherit from the known operands and the outputs
+        (first order, through the inverse rule)."""
+        in_errs, out_errs = errs
+        known = [p for p in range(len(invals)) if p not in holes]
+        primals = [invals[p] for p in known] + list(outs)
+        carried = [in_errs[p] for p in known] + list(out_errs)
+        if all(e is None for e in carried):
+            return [None] * len(invals)
+
+        def rebuild(*vals):
+            args = list(invals)
+            for p, v in zip(known, vals, strict=False):
+                args[p] = v
+            again = self.rule.inverse(args, list(vals[len(known) :]), **eqn.params)
+            return [again[p] for p in holes]
+
+        got = _errors.linearized(rebuild, primals, carried, [new[p] for p in holes])
+        new_errs: list = [None] * len(invals)
+        for p, e in zip(holes, got, strict=True):
+            new_errs[p] = e
+        return new_errs
 
 
 class CallRule:
@@ -196,13 +233,16 @@ class CallRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts, walk):
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
         _, consts = open_jaxpr(self.body(eqn))
         num_consts = len(consts)
         want = couts if self.fused else None
-        rebuilt, inner_cts, code = walk(assessment.sub, consts + list(ins), outs, want)
+        inner_errs = None if errs is None else ([None] * num_consts + errs[0], errs[1])
+        rebuilt, inner_cts, code, new_errs = walk(
+            assessment.sub, consts + list(ins), outs, want, errs=inner_errs
+        )
         cts = inner_cts[num_consts:] if inner_cts is not None else None
-        return rebuilt[num_consts:], cts, code
+        return rebuilt[num_consts:], cts, code, new_errs[num_consts:]
 
 
 class ScanRule:
@@ -230,7 +270,7 @@ class ScanRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts, walk):
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
         params = eqn.params
         num_consts, num_carry = params["num_consts"], params["num_carry"]
         _, body_consts = open_jaxpr(params["jaxpr"])
@@ -239,30 +279,20 @@ class ScanRule:
         carry_avals = [a.aval for a in eqn.invars[num_consts : num_consts + num_carry]]
         xs_avals = [a.aval for a in eqn.invars[num_consts + num_carry :]]
         const_avals = [a.aval for a in eqn.invars[:num_consts]]
-        ys = list(outs[num_carry:])
-        xs_known = [x is not None for x in xs]
-        want_cts = couts is not None
+        ys, xs_known, want_cts = (
+            list(outs[num_carry:]),
+            [x is not None for x in xs],
+            couts is not None,
+        )
         checked = assessment.sub.checked
 
-        def ct_or_zeros(c, aval):
-            if not is_float(aval):
-                return None
-            return c if c is not None else jnp.zeros(aval.shape, aval.dtype)
-
-        if want_cts:
-            ct_carry = [
-                ct_or_zeros(c, a) for c, a in zip(couts[:num_carry], carry_avals, strict=True)
-            ]
-            ct_ys = [
-                ct_or_zeros(c, core.typeof(y)) for c, y in zip(couts[num_carry:], ys, strict=True)
-            ]
-            ct_consts = [ct_or_zeros(None, a) for a in const_avals]
-        else:
-            ct_carry, ct_ys, ct_consts = None, None, None
+        ct_carry, ct_ys, ct_consts = _initial_cts(couts, carry_avals, ys, const_avals)
         code0 = jnp.zeros((), jnp.int32) if checked else None
+        scan_errs = _ScanErrors.of(errs, checked, num_consts, num_carry, carry_avals, xs_known)
+        err_c0 = None if scan_errs is None else scan_errs.carry0
 
         def body(state, per_iter):
-            carry, ct_c, ct_k, code = state
+            carry, ct_c, ct_k, code, err_c = state
             y, ct_y, x = per_iter
             inner_in = (
                 body_consts
@@ -270,11 +300,13 @@ class ScanRule:
                 + [None] * num_carry
                 + [v if k else None for v, k in zip(x, xs_known, strict=True)]
             )
-            rebuilt, inner_cts, inner_code = walk(
+            inner_errs = None if scan_errs is None else scan_errs.inner(err_c, num_body_consts)
+            rebuilt, inner_cts, inner_code, new_errs = walk(
                 assessment.sub,
                 inner_in,
                 list(carry) + list(y),
                 None if ct_c is None else list(ct_c) + list(ct_y),
+                errs=inner_errs,
             )
             code = combine_codes(code, inner_code)
             rebuilt = rebuilt[num_body_consts:]
@@ -283,32 +315,114 @@ class ScanRule:
                 r if not k else None
                 for r, k in zip(rebuilt[num_consts + num_carry :], xs_known, strict=True)
             ]
+            new_err_c, x_err = None, None
+            if scan_errs is not None:
+                new_err_c, x_err = scan_errs.split(new_errs[num_body_consts:], xs_avals)
             if inner_cts is None:  # no cotangents wanted (ct_c is None)
-                return (new_carry, None, None, code), (x_rec, None)
+                return (new_carry, None, None, code, new_err_c), (x_rec, None, x_err)
             inner_cts = inner_cts[num_body_consts:]
             carry_cts = inner_cts[num_consts : num_consts + num_carry]
-            new_ct_c = [ct_or_zeros(c, a) for c, a in zip(carry_cts, carry_avals, strict=True)]
+            new_ct_c = [_ct_or_zeros(c, a) for c, a in zip(carry_cts, carry_avals, strict=True)]
             new_ct_k = [
                 None if k is None else (k if c is None else k + c)
                 for k, c in zip(ct_k, inner_cts[:num_consts], strict=True)
             ]
             ct_x = [
-                ct_or_zeros(c, a)
+                _ct_or_zeros(c, a)
                 for c, a in zip(inner_cts[num_consts + num_carry :], xs_avals, strict=True)
             ]
-            return (new_carry, new_ct_c, new_ct_k, code), (x_rec, ct_x)
+            return (new_carry, new_ct_c, new_ct_k, code, new_err_c), (x_rec, ct_x, x_err)
 
-        init = (list(outs[:num_carry]), ct_carry, ct_consts, code0)
+        init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0)
         per_iter = (ys, ct_ys, [x if k else None for x, k in zip(xs, xs_known, strict=True)])
-        (carry0, ct_c0, ct_k, code), (x_rec, ct_x) = _named_axes.scan(
+        (carry0, ct_c0, ct_k, code, err_c), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )
         new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]
         rebuilt = consts + list(carry0) + new_xs
+        new_errs = None if scan_errs is None else scan_errs.result(err_c, x_err)
         if not want_cts:
-            return rebuilt, None, code
+            return rebuilt, None, code, new_errs
         assert ct_k is not None and ct_c0 is not None and ct_x is not None  # wanted: carried
-        return rebuilt, list(ct_k) + list(ct_c0) + list(ct_x), code
+        return rebuilt, list(ct_k) + list(ct_c0) + list(ct_x), code, new_errs
+
+
+def _initial_cts(couts, carry_avals, ys, const_avals):
+    """The reverse scan's first cotangents of the carry, the ys and the consts (zeros where
+    none; all None when no cotangent is wanted)."""
+    if couts is None:
+        return None, None, None
+    num_carry = len(carry_avals)
+    ct_carry = [_ct_or_zeros(c, a) for c, a in zip(couts[:num_carry], carry_avals, strict=True)]
+    ct_ys = [_ct_or_zeros(c, core.typeof(y)) for c, y in zip(couts[num_carry:], ys, strict=True)]
+    return ct_carry, ct_ys, [_ct_or_zeros(None, a) for a in const_avals]
+
+
+def _ct_or_zeros(c, aval):
+    if not is_float(aval):
+        return None
+    return c if c is not None else jnp.zeros(aval.shape, aval.dtype)
+
+
+def _as_err(e, aval):
+    """A float carry's error as a scan can carry it (zeros where exact)."""
+    if not is_float(aval):
+        return None
+    return (jnp.zeros((), jnp.float32),) * 3 if e is None else e
+
+
+@dataclasses.dataclass
+class _ScanErrors:
+    """The errors a reverse scan carries (see ``_errors``): the carry's go from iteration to
+    iteration; the consts', xs' and ys' are the same for every iteration (their largest)."""
+
+    consts: list
+    carry0: list
+    xs: list
+    ys: list
+    carry_avals: list
+    xs_known: list
+
+    @classmethod
+    def of(cls, errs, checked, num_consts, num_carry, carry_avals, xs_known):
+        """Tracked only if an inversion in the body is checked or a known value carries one."""
+        if errs is None or not (checked or any(e is not None for e in (*errs[0], *errs[1]))):
+            return None
+        ins, outs = errs
+        return cls(
+            consts=list(ins[:num_consts]),
+            carry0=[_as_err(e, a) for e, a in zip(outs[:num_carry], carry_avals, strict=True)],
+            xs=[
+                e if k else None
+                for e, k in zip(ins[num_consts + num_carry :], xs_known, strict=True)
+            ],
+            ys=list(outs[num_carry:]),
+            carry_avals=carry_avals,
+            xs_known=xs_known,
+        )
+
+    def inner(self, err_c, num_body_consts):
+        """The body walk's errors, (inputs, outputs), at an iteration."""
+        num_carry = len(self.carry_avals)
+        ins = [None] * num_body_consts + self.consts + [None] * num_carry + self.xs
+        return ins, list(err_c) + self.ys
+
+    def split(self, new_errs, xs_avals):
+        """(the next carry's errors, this iteration's rebuilt xs' errors)."""
+        num_consts, num_carry = len(self.consts), len(self.carry_avals)
+        carry = new_errs[num_consts : num_consts + num_carry]
+        xs = new_errs[num_consts + num_carry :]
+        new_c = [_as_err(e, a) for e, a in zip(carry, self.carry_avals, strict=True)]
+        x_err = [
+            None if k else _as_err(e, a)
+            for e, a, k in zip(xs, xs_avals, self.xs_known, strict=True)
+        ]
+        return new_c, x_err
+
+    def result(self, err_c, x_err):
+        """The scan's operands' errors: a rebuilt xs carries its largest over the iterations."""
+        stacked = [None if e is None else tuple(jnp.max(p) for p in e) for e in x_err]
+        return [None] * len(self.consts) + list(err_c) + stacked
 
 
 class IVJPRule:
@@ -326,7 +440,7 @@ class IVJPRule:
             return Assessment("its rule needs the known_argnums arguments (and constants) known")
         return Assessment()
 
-    def run(self, eqn, assessment, ins, outs, couts, walk):
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
         del assessment, walk
         bwd = ivjp_bwd(eqn)
         num_consts = ivjp_num_consts(eqn)
@@ -336,9 +450,29 @@ class IVJPRule:
                 c if c is not None else zeros_ct(core.typeof(o))
                 for c, o in zip(couts, outs, strict=True)
             ]
-        xs, dxs = bwd.apply(list(ins[num_consts:]), list(outs), dys)
+        given = list(ins[num_consts:])
+        xs, dxs = bwd.apply(given, list(outs), dys)
         cts = [None] * num_consts + dxs if couts is not None else None
-        return list(ins[:num_consts]) + xs, cts, None
+        new_errs = None
+        if errs is not None:  # the user's inverse, linearized in the known values it reads
+            known = [k for k, x in enumerate(given) if x is not None]
+            holes = [k for k, x in enumerate(given) if x is None]
+
+            def rebuild(*vals):
+                args = list(given)
+                for k, v in zip(known, vals, strict=False):
+                    args[k] = v
+                new = bwd.apply(args, list(vals[len(known) :]), None)[0]
+                return [new[k] for k in holes]
+
+            carried = [errs[0][num_consts + k] for k in known] + list(errs[1])
+            got = _errors.linearized(
+                rebuild, [given[k] for k in known] + list(outs), carried, [xs[k] for k in holes]
+            )
+            new_errs = [None] * len(ins)
+            for k, e in zip(holes, got, strict=True):
+                new_errs[num_consts + k] = e
+        return list(ins[:num_consts]) + xs, cts, None, new_errs
 
 
 # --- which rule an equation gets -----------------------------------------------------------------

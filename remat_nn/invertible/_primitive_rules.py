@@ -52,11 +52,12 @@ InverseCheck = Callable[[Mapping[str, Any], Sequence[Any], tuple[int, ...]], "st
 class Bound:
     """A run-time error bound of one floating inverse.
 
-    ``error(invals, outvals, new, unknown, **params)`` returns, as a float32 scalar, the largest
-    error the rebuilt operand can carry (from the rounding of the output it was rebuilt from,
-    underflow or overflow, and the inverse's own rounding), divided by the rebuilt tensor's
-    scale ``max|value|``. The walk requires it to be at most the tolerance
-    (:func:`tolerance`), else the backward stops naming the primitive and ``reason``.
+    ``error(invals, outvals, new, unknown, **params)`` returns, as float32 per element of the
+    rebuilt operand, the largest error it can carry (from the rounding of the output it was
+    rebuilt from, underflow or overflow, and the inverse's own rounding). The walk requires
+    the largest, divided by the rebuilt tensor's scale ``max|value|`` (:func:`relative`), to be
+    at most the tolerance (:func:`tolerance`), else the backward stops naming the primitive
+    and ``reason``; and carries the errors into what it computes from the operand.
     """
 
     reason: str
@@ -303,7 +304,7 @@ def _mag(v: Any) -> Any:
     return jnp.abs(jnp.asarray(v)).astype(jnp.float32)
 
 
-def _relative(err: Any, rebuilt: Any) -> Any:
+def relative(err: Any, rebuilt: Any) -> Any:
     """``max(err) / max|rebuilt|`` (0 where there is no error, inf where the rebuilt tensor is
     all 0 beside a nonzero error: its information is gone)."""
     top, scale = jnp.max(err), jnp.max(_mag(rebuilt))
@@ -327,7 +328,7 @@ def _unary_bound(error: Callable[[Any, Any, float, float], Any]) -> Callable[...
         a = new[p]
         u, tiny = _unit(a)
         y32, a32 = outvals[0].astype(jnp.float32), a.astype(jnp.float32)
-        return _relative(error(y32, a32, u, tiny) + u * jnp.abs(a32), a)
+        return error(y32, a32, u, tiny) + u * jnp.abs(a32)
 
     return bound
 
@@ -339,7 +340,7 @@ def _sum_bound(invals, outvals, new, unknown, **params):
     (p,) = unknown
     a = new[p]
     u, _ = _unit(a)
-    return _relative(u * jnp.max(_mag(outvals[0])) + u * _mag(a), a)
+    return u * jnp.max(_mag(outvals[0])) + u * _mag(a)
 
 
 def _mul_bound(invals, outvals, new, unknown, **params):
@@ -348,7 +349,7 @@ def _mul_bound(invals, outvals, new, unknown, **params):
     (p,) = unknown
     a, u_tiny = new[p], _unit(new[p])
     u, tiny = u_tiny
-    return _relative((u * _mag(outvals[0]) + tiny) / _mag(invals[1 - p]) + u * _mag(a), a)
+    return (u * _mag(outvals[0]) + tiny) / _mag(invals[1 - p]) + u * _mag(a)
 
 
 def _div_bound(invals, outvals, new, unknown, **params):
@@ -361,7 +362,7 @@ def _div_bound(invals, outvals, new, unknown, **params):
         err = (u * y + tiny) * _mag(invals[1])
     else:  # b = a / y: relative error of y (rounding or underflow) carries over
         err = _mag(r) * (u + tiny / y)
-    return _relative(err + u * _mag(r), r)
+    return err + u * _mag(r)
 
 
 def _unary(inverse: Callable[[Any], Any]) -> InverseRule:

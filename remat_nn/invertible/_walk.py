@@ -7,8 +7,10 @@ derivations (reconstruct by an inverse rule, or recompute forward), and every va
 after its last use, so only about one equation's working set is live. ``execute`` runs the steps.
 
 Inversions whose exactness depends on the values at hand (division by a known operand, ``log``
-of an ``exp``) run their rule's guard; the failed check with the lowest step is reported as an
-int32 code (0: all exact) that ``rn.invertible``'s backward turns into an error at run time.
+of an ``exp``) run their rule's guard and bound; every value derived from a rebuilt one carries
+an error estimate (``_errors``) and each derivative taken at such values is checked against it.
+The failed check with the lowest step is reported as an int32 code (0: all exact) that
+``rn.invertible``'s backward turns into an error at run time.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ import numpy as np
 
 from remat_nn._jax_internals import core
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible._equation_rules import Assessment, EquationRule, combine_codes
+from remat_nn.invertible import _errors
+from remat_nn.invertible._equation_rules import (
+    Assessment,
+    CallRule,
+    EquationRule,
+    Errors,
+    combine_codes,
+    rule_for,
+)
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
 
 _CHECK_MESSAGES: list[str] = []  # check id - 1 -> the error text of a failed run-time check
@@ -36,6 +46,15 @@ Fix: rn.invertible(f, fallback="recompute") keeps the input this value comes fro
 it instead of inverting `{prim}` where a value can destroy it; rn.invertible(f, rtol=...) loosens
 the rounding tolerance (relative to the rebuilt tensor's max |value|); or give this part an
 explicit inverse with rn.custom_ivjp."""
+
+_AMPLIFIED = """\
+rn.invertible: the derivative of `{prim}` at {where} is taken at values the backward rebuilt,
+and the rounding error they carry changes it by more than the tolerance of its scale (they
+cancelled on the way, or `{prim}` is steep there): the gradient would not be exact, so the step
+stops here. Fix: compute this part in a wider dtype (16-bit rounding is what is amplified);
+declare the input it comes from with known_argnums / known_argnames, so it is stored instead of
+rebuilt; loosen rn.invertible(f, rtol=...); or give this part an explicit inverse with
+rn.custom_ivjp."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +89,12 @@ class Walkable(Protocol):
     @property
     def touching(self) -> Mapping[Any, list[int]]: ...
 
+    @property
+    def checked(self) -> bool: ...  # some inversion runs a run-time check (guard or bound)
+
+    @property
+    def rtol(self) -> float: ...  # the tolerance of the run-time bounds
+
     def active(self, i: int) -> tuple[int, ...]: ...
 
     def schedule(self, want_cts: bool, want_inputs: bool) -> Any: ...  # a WalkSchedule
@@ -93,9 +118,13 @@ class WalkSchedule:
     vjp_cache: dict = dataclasses.field(default_factory=dict)  # see _jaxpr.eqn_vjp
 
 
-def _register_check(eqn, reason: str) -> int:
-    """The id of the check's error text (one id per distinct text: retracing adds none)."""
-    text = _FAILED_CHECK.format(prim=display(eqn), where=where(eqn), reason=reason)
+def _register_check(eqn, reason: str | None = None) -> int:
+    """The id of the check's error text (one id per distinct text: retracing adds none): a
+    failed inversion's (``reason``), or else an amplified error's at ``eqn``'s derivative."""
+    if reason is not None:
+        text = _FAILED_CHECK.format(prim=display(eqn), where=where(eqn), reason=reason)
+    else:
+        text = _AMPLIFIED.format(prim=display(eqn), where=where(eqn))
     if text not in _CHECK_IDS:
         _CHECK_MESSAGES.append(text)
         _CHECK_IDS[text] = len(_CHECK_MESSAGES)
@@ -181,20 +210,118 @@ def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> Wal
     return WalkSchedule(analysis, steps)
 
 
-def _tie(env: dict, vs: list, code: Any) -> None:
+def _tie(env: dict, vs: list, code: Any) -> Any:
     """Makes the rebuilt float values ``vs`` depend on the running check ``code`` at no cost
-    (``x - 0 * code`` is ``x`` bit for bit, -0.0 and NaN included), so XLA folds each step's
-    check in as the walk goes instead of holding every step's scalar until the end."""
+    (``_errors.after``: ``x`` bit for bit), so XLA folds each step's check in as the walk goes
+    instead of holding every step's scalar until the end. Returns ``code``."""
     for v in vs:
         x = env.get(v) if is_var(v) else None
         if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            env[v] = x - jnp.zeros((), x.dtype) * code.astype(x.dtype)
+            env[v] = _errors.after(x, code)
+    return code
 
 
 def _accumulate(ct: dict, v: Any, c: Any) -> None:
     if c is None or jax.dtypes.result_type(c) == jax.dtypes.float0:
         return
     ct[v] = c if v not in ct else ct[v] + c
+
+
+def _body_of(eqn: core.JaxprEqn) -> Any:
+    """The body a call-like equation evaluates (None for any other equation)."""
+    rule = rule_for(eqn)
+    return rule.body(eqn) if isinstance(rule, CallRule) else None
+
+
+def _flag(ok: Any, check: int) -> Any:
+    return None if ok is None else jnp.where(ok, 0, check).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class _State:
+    """One walk's values, errors (see ``_errors``: absent means exact), cotangents and check."""
+
+    analysis: Walkable
+    schedule: WalkSchedule
+    env: dict
+    err: dict
+    ct: dict
+    code: Any = None
+
+    def known_errs(self, eqn, unknown) -> Errors | None:
+        """The errors an inverse rule gets: of its known operands and outputs (None if no
+        value here can carry one)."""
+        if not (self.analysis.checked or self.err):
+            return None
+        ins = [
+            None if p in unknown or not is_var(a) else self.err.get(a)
+            for p, a in enumerate(eqn.invars)
+        ]
+        return ins, [self.err.get(v) if is_var(v) else None for v in eqn.outvars]
+
+    def carry(self, v, e) -> None:
+        """Records ``v``'s error, computed at this step (the value depends on it)."""
+        self.err[v], self.env[v] = e, _errors.after(self.env[v], sum(e))
+
+    def forward(self, eqn) -> None:
+        ins = [read(self.env, a) for a in eqn.invars]
+        outs = eval_eqn(eqn, ins)
+        self.env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if is_var(v))
+        in_errs = [self.err.get(a) if is_var(a) else None for a in eqn.invars]
+        if any(e is not None for e in in_errs) or _errors.recomputes_16_bit(eqn, _body_of):
+            for v, e in zip(
+                eqn.outvars, _errors.forward(eqn, ins, outs, in_errs, _body_of), strict=True
+            ):
+                if e is not None and is_var(v):
+                    self.carry(v, e)
+
+    def inverse(self, step: Step, eqn, fused: bool) -> None:
+        d, env = step.derivation, self.env
+        assert d is not None  # an inverse step has its derivation
+        ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
+        outs = [env[v] for v in eqn.outvars]
+        couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
+        rule = self.analysis.rules[step.eqn]
+        assert rule is not None and d.assessment is not None  # an inverse step has both
+        rebuilt, in_cts, result, new_errs = rule.run(
+            eqn, d.assessment, ins, outs, couts, execute, self.known_errs(eqn, d.unknown)
+        )
+        fresh = [p for p in d.unknown if eqn.invars[p] not in env]
+        for p in d.unknown:
+            env.setdefault(eqn.invars[p], rebuilt[p])
+        if result is not None and jnp.result_type(result) == np.bool_:
+            result = jnp.where(result, 0, step.check).astype(jnp.int32)
+        self.code = combine_codes(self.code, result)
+        if result is not None:
+            self.code = _tie(env, [eqn.invars[p] for p in d.unknown], self.code)
+        # The errors rebuilt values inherit are judged where they matter: at the derivatives
+        # taken at them (a value a coupling only adds needs no digits of its own).
+        for p in fresh:
+            e = new_errs[p] if new_errs else None
+            if e is not None and _errors.floating(rebuilt[p]):
+                self.carry(eqn.invars[p], e)
+        for a, c in zip(eqn.invars, in_cts or (), strict=False):
+            if is_var(a):
+                _accumulate(self.ct, a, c)
+
+    def vjp(self, step: Step, eqn) -> None:
+        couts = [self.ct.pop(v, None) if is_var(v) else None for v in eqn.outvars]
+        if all(c is None for c in couts):
+            return
+        ins = [read(self.env, a) for a in eqn.invars]
+        active = self.analysis.active(step.eqn)
+        in_errs = [self.err.get(a) if is_var(a) else None for a in eqn.invars]
+        flag = None
+        if any(e is not None for e in in_errs):
+            ok = _errors.derivative_ok(eqn, ins, in_errs, active, self.analysis.rtol, _body_of)
+            flag = _flag(ok, _register_check(eqn))
+            self.code = combine_codes(self.code, flag)
+        in_cts = eqn_vjp(eqn, ins, couts, self.schedule.vjp_cache, active)
+        for a, c in zip(eqn.invars, in_cts, strict=True):
+            if is_var(a):
+                if flag is not None and c is not None and jnp.issubdtype(c.dtype, jnp.floating):
+                    c = _errors.after(c, self.code)  # the check runs at its step
+                _accumulate(self.ct, a, c)
 
 
 def execute(
@@ -204,7 +331,8 @@ def execute(
     out_cts: list[Any] | None,
     *,
     want_inputs: bool = True,
-) -> tuple[list[Any], list[Any] | None, Any]:
+    errs: Errors | None = None,
+) -> tuple[list[Any], list[Any] | None, Any, list[Any]]:
     """Runs the walk of ``analysis``.
 
     Args:
@@ -214,10 +342,13 @@ def execute(
       out_cts: output cotangents (``None`` entries are zeros), or ``None`` to only rebuild.
       want_inputs: rebuild every unknown input (a body's caller needs them; the top-level
         backward does not).
+      errs: the errors (see ``_errors``; ``None``: exact) the known inputs and the outputs
+        carry from an enclosing walk, as (inputs, outputs).
 
     Returns:
       All inputs (rebuilt where they were ``None``), their cotangents (``None`` for zero; the
-      whole list ``None`` when ``out_cts`` is), and the failed-check code (None if unchecked).
+      whole list ``None`` when ``out_cts`` is), the failed-check code (None if unchecked) and
+      the inputs' errors (``None``: exact).
     """
     want_cts = out_cts is not None
     schedule = analysis.schedule(want_cts, want_inputs)
@@ -226,46 +357,30 @@ def execute(
     env.update(
         (v, x) for v, x in zip(jaxpr.outvars, outvals, strict=True) if is_var(v) and x is not None
     )
-    ct: dict[Any, Any] = {}
+    state = _State(analysis, schedule, env, {}, {})
+    if errs is not None:
+        for vs, es in zip((jaxpr.invars, jaxpr.outvars), errs, strict=True):
+            state.err.update(
+                (v, e) for v, e in zip(vs, es, strict=True) if is_var(v) and e is not None
+            )
     if want_cts:
         for v, c in zip(jaxpr.outvars, out_cts, strict=True):
             if is_var(v):
-                _accumulate(ct, v, c)
-    code = None
+                _accumulate(state.ct, v, c)
     for step in schedule.steps:
         eqn = eqns[step.eqn]
         if step.action == "forward":
-            outs = eval_eqn(eqn, [read(env, a) for a in eqn.invars])
-            env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if is_var(v))
+            state.forward(eqn)
         elif step.action in ("inverse", "fused"):
-            d = step.derivation
-            ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
-            outs = [env[v] for v in eqn.outvars]
-            couts = [ct.pop(v, None) for v in eqn.outvars] if step.action == "fused" else None
-            rule = analysis.rules[step.eqn]
-            rebuilt, in_cts, result = rule.run(eqn, d.assessment, ins, outs, couts, execute)
-            for p in d.unknown:
-                env.setdefault(eqn.invars[p], rebuilt[p])
-            if result is not None and jnp.result_type(result) == np.bool_:
-                result = jnp.where(result, 0, step.check).astype(jnp.int32)
-            if result is not None:
-                code = combine_codes(code, result)
-                _tie(env, [eqn.invars[p] for p in d.unknown], code)
-            for a, c in zip(eqn.invars, in_cts or (), strict=False):
-                if is_var(a):
-                    _accumulate(ct, a, c)
+            state.inverse(step, eqn, fused=step.action == "fused")
         else:
-            couts = [ct.pop(v, None) if is_var(v) else None for v in eqn.outvars]
-            if any(c is not None for c in couts):
-                ins = [read(env, a) for a in eqn.invars]
-                in_cts = eqn_vjp(eqn, ins, couts, schedule.vjp_cache, analysis.active(step.eqn))
-                for a, c in zip(eqn.invars, in_cts, strict=True):
-                    if is_var(a):
-                        _accumulate(ct, a, c)
+            state.vjp(step, eqn)
         for v in step.free:
             env.pop(v, None)
+            state.err.pop(v, None)
     new_in = [env.get(v, x) for v, x in zip(jaxpr.invars, invals, strict=True)]
-    return new_in, ([ct.get(v) for v in jaxpr.invars] if want_cts else None), code
+    cts = [state.ct.get(v) for v in jaxpr.invars] if want_cts else None
+    return new_in, cts, state.code, [state.err.get(v) for v in jaxpr.invars]
 
 
 def stop_on_failed_check(code: Any) -> None:
