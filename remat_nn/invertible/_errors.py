@@ -55,13 +55,19 @@ def settle(x: Any) -> Any:
 
 
 def after(x: Any, dep: Any) -> Any:
-    """``x``, bit for bit, made to depend on the scalar ``dep`` (``x - 0 * (dep > -1)``).
+    """``x``, bit for bit, made to depend on the scalar ``dep`` (``x - 0 * (dep > -1)``; floats
+    of 32 bits or more only).
 
     A reduction of a value the walk was given (a weight, an output) could run at any time, and
     XLA runs them all at the start, holding one scalar per step to the end: temp memory would
     grow with depth. Made to depend on the step's error, it runs at its step."""
     x = jnp.asarray(x)
     if not varying(dep) <= varying(x):  # under shard_map: it would change x's type
+        return x
+    if jnp.finfo(x.dtype).bits <= 16:
+        # An operation on a 16-bit value makes XLA round it there, where the forward pass may
+        # have kept excess precision: the recomputed value would differ (measured: gradients of
+        # bfloat16 branches 100x less accurate). Not tied: scheduling, not values, is at stake.
         return x
     return x - jnp.zeros((), x.dtype) * (dep > -1).astype(x.dtype)
 
@@ -84,11 +90,11 @@ def rounding(y: Any) -> Err | None:
     """What a 16-bit float value computed again adds: the tolerance floor of its dtype (the
     values computed from it are as precise as it), and no error (None for wider dtypes).
 
-    Not an error, by choice: XLA keeps excess precision where a fusion allows it, so the
-    recomputation may round where the forward pass did not, by up to half an ulp of the
-    element. Counting that in full at every recomputation refuses ordinary mixed-precision
-    couplings whose gradients are as accurate as autodiff's (autodiff's own jitted and
-    op-by-op gradients differ by as much); docs/invertible.md says so."""
+    XLA keeps excess precision where a fusion allows it, so a recomputation fused differently
+    could round where the forward pass did not (half an ulp per element). The walk adds no
+    operation to 16-bit values (see :func:`after`), so it fuses them alike; counting that
+    rounding in full at every recomputation refused ordinary mixed-precision couplings whose
+    gradients equal jitted autodiff's."""
     dtype = jnp.result_type(y)
     if not floating(y) or jnp.finfo(dtype).bits > 16:
         return None
