@@ -110,3 +110,41 @@ def test_a_16_bit_value_sets_the_tolerance_of_what_is_computed_from_it():
     err = _errors.add(_err(1e-2), floor)  # 1% of the scale: too much for float32, fine here
     assert bool(_errors.within(err, x, 1e-5))
     assert not bool(_errors.within(_err(1e-2), x, 1e-5))
+
+
+def _coupling(carry, w):
+    a, b = carry
+    return (b, a + jnp.tanh(100.0 * (b @ w))), None
+
+
+def test_a_scan_carries_the_errors_from_iteration_to_iteration(monkeypatch):
+    """A scanned coupling and its unrolled twin get the same verdict: the error a rebuilt carry
+    takes from one iteration's subtraction (streams near 1000, rounded to 6e-5) reaches the
+    next iteration's ``tanh(100 * (b0 - b1))``, whose argument cancels to ~0.4, and its
+    derivative check refuses in both. With the scan's errors not carried across iterations
+    (the mutation), the scan alone passes: the check is blind there."""
+    from remat_nn.invertible import _equation_rules
+
+    x1 = jnp.asarray([[1000.1234, 1000.1271]], jnp.float32)
+    x2 = jnp.asarray([[999.8765, 999.8802]], jnp.float32)
+    ws = jnp.stack([jnp.asarray([[1.0, 1.0], [-1.0, -1.0]])] * 3)
+
+    def scanned(x1, x2, ws):
+        return jax.lax.scan(_coupling, (x1, x2), ws)[0]
+
+    def unrolled(x1, x2, ws):
+        carry = (x1, x2)
+        for i in range(ws.shape[0]):
+            carry = _coupling(carry, ws[i])[0]
+        return carry
+
+    def grad(f):
+        loss = lambda *a: sum(jnp.sum(jnp.sin(y)) for y in f(*a))  # noqa: E731
+        return jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(x1, x2, ws))
+
+    refused = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
+    for f in (scanned, unrolled):
+        with pytest.raises(refused, match="the derivative of `tanh`"):
+            grad(rn.invertible(f))
+    monkeypatch.setattr(_equation_rules._ScanErrors, "of", classmethod(lambda cls, *a: None))
+    grad(rn.invertible(scanned))  # not refused: nothing reached the check
