@@ -194,19 +194,21 @@ class SimpleRule:
         (first order, through the inverse rule)."""
         in_errs, out_errs = errs
         known = [p for p in range(len(invals)) if p not in holes]
-        primals = [invals[p] for p in known] + list(outs)
-        carried = [in_errs[p] for p in known] + list(out_errs)
-        if all(e is None for e in carried):
-            return [None] * len(invals)
 
-        def rebuild(*vals):
+        def inverse(known_vals, out_vals):
             args = list(invals)
-            for p, v in zip(known, vals, strict=False):
+            for p, v in zip(known, known_vals, strict=True):
                 args[p] = v
-            again = self.rule.inverse(args, list(vals[len(known) :]), **eqn.params)
+            again = self.rule.inverse(args, out_vals, **eqn.params)
             return [again[p] for p in holes]
 
-        got = _errors.linearized(rebuild, primals, carried, [new[p] for p in holes])
+        got = _errors.inherited(
+            inverse,
+            [invals[p] for p in known],
+            outs,
+            [in_errs[p] for p in known] + list(out_errs),
+            [new[p] for p in holes],
+        )
         new_errs: list = [None] * len(invals)
         for p, e in zip(holes, got, strict=True):
             new_errs[p] = e
@@ -458,16 +460,19 @@ class IVJPRule:
             known = [k for k, x in enumerate(given) if x is not None]
             holes = [k for k, x in enumerate(given) if x is None]
 
-            def rebuild(*vals):
+            def inverse(known_vals, out_vals):
                 args = list(given)
-                for k, v in zip(known, vals, strict=False):
+                for k, v in zip(known, known_vals, strict=True):
                     args[k] = v
-                new = bwd.apply(args, list(vals[len(known) :]), None)[0]
+                new = bwd.apply(args, out_vals, None)[0]
                 return [new[k] for k in holes]
 
-            carried = [errs[0][num_consts + k] for k in known] + list(errs[1])
-            got = _errors.linearized(
-                rebuild, [given[k] for k in known] + list(outs), carried, [xs[k] for k in holes]
+            got = _errors.inherited(
+                inverse,
+                [given[k] for k in known],
+                outs,
+                [errs[0][num_consts + k] for k in known] + list(errs[1]),
+                [xs[k] for k in holes],
             )
             new_errs = [None] * len(ins)
             for k, e in zip(holes, got, strict=True):

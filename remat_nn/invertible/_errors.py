@@ -17,6 +17,7 @@ summarizes the result (:func:`summarize`), so temp memory stays flat in depth.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,6 +135,15 @@ def _tangent_ok(t: Any) -> bool:
     return t is not None and floating(t) and jnp.result_type(t) != jax.dtypes.float0
 
 
+def _along(fn: Callable, args: Sequence[Any], i: int) -> Callable[[Any], Any]:
+    """``fn`` as a function of its argument ``i`` alone, the others fixed at ``args``."""
+
+    def at(x):
+        return fn(*[x if j == i else a for j, a in enumerate(args)])
+
+    return at
+
+
 def linearized(
     fn: Callable, primals: Sequence[Any], errs: Sequence[Err | None], outs: Sequence[Any]
 ) -> list:
@@ -150,26 +160,38 @@ def linearized(
         if e is None or not floating(x):
             continue
 
-        def at(xi, i=i):
-            args = list(primals)
-            args[i] = xi
-            return fn(*args)
-
         x = after(x, e[0])
-        _, tangents = jax.jvp(at, (x,), (spread(e, x).astype(x.dtype),))
+        _, tangents = jax.jvp(_along(fn, primals, i), (x,), (spread(e, x).astype(x.dtype),))
         for k, (t, y) in enumerate(zip(tangents, outs, strict=True)):
             if _tangent_ok(t) and floating(y):
                 result[k] = add(result[k], summarize(t, y, e[2]))
     return result
 
 
-def _column_norms(x: Any, axes: Sequence[int]) -> Any:
-    """``max over the other axes of sqrt(sum over axes of x**2)`` in float32 (scaled first:
-    float32 squares overflow above 1e19)."""
+def inherited(
+    inverse: Callable[[list, list], list],
+    known: Sequence[Any],
+    outs: Sequence[Any],
+    errs: Sequence[Err | None],
+    rebuilt: Sequence[Any],
+) -> list:
+    """The errors rebuilt values inherit, to first order, from the known values and outputs an
+    inverse reads: ``inverse(known, outs) -> rebuilt``; ``errs`` of ``known`` then ``outs``."""
+    if all(e is None for e in errs):
+        return [None] * len(rebuilt)
+    n = len(known)
+    return linearized(
+        lambda *vals: inverse(list(vals[:n]), list(vals[n:])), [*known, *outs], errs, rebuilt
+    )
+
+
+def _root_sum_square(x: Any, axes: Sequence[int]) -> Any:
+    """``sqrt(sum over axes of x**2)`` in float32 (scaled first: float32 squares overflow above
+    1e19)."""
     x = jnp.abs(jnp.asarray(x)).astype(jnp.float32)
     top = scale(x)
     unit = x / jnp.where(top > 0, top, 1.0)
-    return top * jnp.sqrt(jnp.max(jnp.sum(unit * unit, axis=tuple(axes)), initial=0.0))
+    return top * jnp.sqrt(jnp.sum(unit * unit, axis=tuple(axes)))
 
 
 def _dot_general(eqn, ins, errs, outs) -> list:
@@ -182,18 +204,14 @@ def _dot_general(eqn, ins, errs, outs) -> list:
     for e, x, other, axes in ((ea, a, b, rc), (eb, b, a, lc)):
         if e is not None:
             top = scale(spread(e, x))
-            part = top * _column_norms(after(other, top), axes)
+            part = top * scale(_root_sum_square(after(other, top), axes))
             err = add(err, summarize(jnp.broadcast_to(part, jnp.shape(y)), y, e[2]))
     return [err]
 
 
 def _reduce_sum(eqn, ins, errs, outs) -> list:
     (x,), (e,), (y,) = ins, errs, outs
-    per = spread(e, x)
-    top = scale(per)
-    unit = per / jnp.where(top > 0, top, 1.0)  # root sum of squares, scaled against overflow
-    per_out = top * jnp.sqrt(jnp.sum(unit * unit, axis=tuple(eqn.params["axes"])))
-    return [summarize(per_out, y, e[2])]
+    return [summarize(_root_sum_square(spread(e, x), eqn.params["axes"]), y, e[2])]
 
 
 _SPECIAL = {prims.dot_general_p: _dot_general, prims.reduce_sum_p: _reduce_sum}
@@ -283,11 +301,7 @@ def derivative_ok(
     vals = [jnp.asarray(x) for x in ins]
 
     def slope(k: int, *xs: Any) -> list:  # D_k along ones, at xs
-        def at(xk):
-            args = list(xs)
-            args[k] = xk
-            return eval_eqn(eqn, args)
-
+        at = _along(lambda *a: eval_eqn(eqn, a), xs, k)
         return list(jax.jvp(at, (xs[k],), (jnp.ones_like(xs[k]),))[1])
 
     for i, e in enumerate(errs):
@@ -297,16 +311,9 @@ def derivative_ok(
             if not floating(vals[k]):
                 continue
 
-            def slope_at(xi, k=k, i=i):
-                args = list(vals)
-                args[i] = xi
-                return slope(k, *args)
-
             at = after(vals[i], e[0])
-            try:
-                d, h = jax.jvp(slope_at, (at,), (spread(e, at).astype(at.dtype),))
-            except (TypeError, NotImplementedError):  # no forward mode (a callback): unjudged
-                continue
+            slope_at = _along(functools.partial(slope, k), vals, i)
+            d, h = jax.jvp(slope_at, (at,), (spread(e, at).astype(at.dtype),))
             for dk, hk in zip(d, h, strict=True):
                 if _tangent_ok(dk):
                     tol = jnp.maximum(tolerance(rtol, jnp.result_type(dk)), e[2])
