@@ -290,7 +290,8 @@ def _update_slice(
 ) -> tuple[Any, list[Any], tuple[jax.Array, jax.Array]]:
     """Updates layer ``i`` of the parameter stack and of the state's stack halves."""
 
-    def update(layer: Any, grad: Any, slices: list[Any]) -> Any:
+    def update(layer: Any, grad: Any, stacks: list[Any], i: jax.Array) -> Any:
+        slices = [_read(s, i) for s in stacks]
         state_i = _state_for(split, layout, stacks=slices)
         updates, new_state_i = tx.update(layout.join(grad, None), state_i, layout.join(layer, None))
         new_flat = _flatten_like(new_state_i, layout.join(layer, None))
@@ -299,10 +300,12 @@ def _update_slice(
         sq = (_squared_norm(grad), _squared_norm(updates))
         return _apply_updates(layer, updates), new_slices, sq
 
-    # The update runs as a branch of a conditional, whose operands are the old slices: XLA does
-    # not fuse across it, so no read of an old slice is fused into a consumer scheduled after the
-    # slice's write (which would make XLA copy the whole stack each iteration).
-    operands = (layer, grad, [_read(s, i) for s in stacks])
+    # The update runs as a branch of a conditional: XLA does not fuse across it, so no read of an
+    # old slice is fused into a consumer scheduled after the slice's write (which would make XLA
+    # copy the whole stack each iteration). The state's slices are read inside the branch, which
+    # runs once the gradient exists: read outside, XLA scheduled those reads before the layer's
+    # backward, and every state slice (adam: 2 x the layer's bytes) was live at its peak.
+    operands = (layer, grad, stacks, jnp.asarray(i))
     new_layer, new_slices, sq = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
     stack = _write(stack, new_layer, i)
     return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)], sq
