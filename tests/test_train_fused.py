@@ -205,3 +205,29 @@ def test_options_it_cannot_run_with_exit_2_naming_them(tmp_path, overrides, name
     assert "train.update_in_backward=true (the optimizer update inside the backward" in out
     assert named in out
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_fused_step_on_an_fsdp_mesh_keeps_the_stack_sharded_and_equals_one_device(tmp_path):
+    # mesh.fsdp=2 shards the parameters and optimizer state, the stack included, and the batch
+    # over all 8 devices: the fused step's per-layer VJP and update on sharded slices must give
+    # the state of the fused step on one device (replicated weights' cotangents reduced over the
+    # batch's devices). The step's output shardings are the trainer's (jit out_shardings): the
+    # shard checks below say the state stays split, not how the step gets there.
+    fused = "train.update_in_backward=true"
+    sharded = loop.run(
+        _cfg(tmp_path / "fsdp", fused, "mesh.data=4", "mesh.fsdp=2", "mesh.fsdp_min_size=0")
+    )
+    single = loop.run(_cfg(tmp_path / "one", fused, "mesh.data=1", "mesh.fsdp=1"))
+    stack = sharded.state.params["blocks"]
+    kernels = [x for x in jax.tree.leaves(stack) if x.ndim >= 3]
+    assert kernels and all(
+        "fsdp" in x.sharding.spec and len(x.sharding.device_set) == 8 for x in kernels
+    )
+    moments = [x for x in jax.tree.leaves(sharded.state.opt_state) if x.ndim >= 3]
+    assert moments and all("fsdp" in x.sharding.spec for x in moments)
+    # Each device holds half of every stacked kernel and moment (fsdp=2), not a gathered copy.
+    for x in kernels + moments:
+        assert {s.data.nbytes for s in x.addressable_shards} == {x.nbytes // 2}
+    err = _state_err(sharded.state, single.state)
+    print(f"fused step, fsdp=2 x data=4 vs one device, after 6 steps: rel err {err:.3g}")
+    assert err <= 1e-5
