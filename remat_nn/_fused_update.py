@@ -4,7 +4,9 @@
 after computing layer ``i``'s gradient, applies the optimizer's update to layer ``i``'s slice of
 the parameter stack and of the optimizer state (``dynamic_update_index_in_dim`` on the carried
 stacks). The full gradient of the stack never exists: at any time one layer's gradient is live.
-Jitted with the state donated, the updates are written into the old state's buffers.
+Jitted with the state donated, the updates are written into the old state's buffers. Each
+layer's input is saved by the forward, or, for a reversible layer (``inverse_fn``), rebuilt
+from its output in the backward.
 
 Only element-wise optimizers qualify (the update of a leaf reads only that leaf's gradient,
 state and parameter). The step checks this once, numerically, before its first use: see
@@ -58,6 +60,7 @@ def fused_update_step(
     stack_key: str | None = None,
     has_aux: bool = False,
     norms: bool = False,
+    inverse_fn: Callable[[Any, Any], Any] | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -87,6 +90,13 @@ def fused_update_step(
       has_aux: ``head_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)`` as its loss.
       norms: also return ``{"grad_norm", "update_norm"}``, the global norms of the gradient and
         of the update (accumulated layer by layer: the full gradient still never exists).
+      inverse_fn: ``(layer_params, y) -> h`` with ``layer_fn(layer_params, h) == y`` (a
+        reversible layer, e.g. an additive coupling). The forward then keeps no layer inputs:
+        the backward rebuilds each layer's input from its output with the layer's parameters
+        before their update, so activation memory does not grow with depth. The rebuilt inputs
+        carry the inverse's round-off, accumulated over the layers (as with
+        :func:`remat_nn.reversible_scan`); the layer runs twice per backward step (inverse,
+        then its VJP). ``None``: each layer's input is saved by the forward.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -121,10 +131,11 @@ def fused_update_step(
         split = _split(opt_state, params, layout)
         h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
 
-        def forward(h: jax.Array, layer: Any) -> tuple[jax.Array, jax.Array]:
-            return layer_fn(layer, h), h
+        def forward(h: Any, layer: Any) -> tuple[Any, Any]:
+            return layer_fn(layer, h), (h if inverse_fn is None else None)
 
         h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape), layer inputs
+        source = _Inputs(inputs, h_last, inverse_fn)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
                 lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
@@ -135,7 +146,7 @@ def fused_update_step(
         g_rest, dh = head_vjp(jnp.ones_like(out))
         stacks = _stack_halves(split, layout)
         stack, stacks, dh, sq = _backward_update(
-            layer_fn, optimizer, split, layout, stack, stacks, inputs, dh
+            layer_fn, optimizer, split, layout, stack, stacks, source, dh
         )
         (g_embed,) = embed_vjp(dh)
         g_rest = jax.tree.map(jnp.add, g_rest, g_embed)
@@ -247,33 +258,53 @@ def _state_for(split: Split, layout: _Layout, *, stacks: list[Any] | None) -> An
     )
 
 
+class _Inputs:
+    """Where the backward finds layer ``i``'s input: saved by the forward, or rebuilt.
+
+    Rebuilt (``inverse_fn`` given), the reverse scan carries the output of layer ``i`` and
+    inverts it with layer ``i``'s parameters before their update.
+    """
+
+    def __init__(self, saved: Any, last: Any, inverse_fn: Callable[[Any, Any], Any] | None):
+        self.saved, self.inverse_fn = saved, inverse_fn
+        self.carry = last if inverse_fn is not None else None
+
+    def read(self, carry: Any, layer: Any, i: jax.Array) -> Any:
+        if self.inverse_fn is None:
+            return _read(self.saved, i)
+        return self.inverse_fn(layer, carry)
+
+
 def _backward_update(
-    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    layer_fn: Callable[[Any, Any], Any],
     tx: optax.GradientTransformation,
     split: Split,
     layout: _Layout,
     stack: Any,
     stacks: list[Any],
-    inputs: jax.Array,
-    dh: jax.Array,
-) -> tuple[Any, list[Any], jax.Array, tuple[jax.Array, jax.Array]]:
+    source: _Inputs,
+    dh: Any,
+) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array]]:
     """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
 
-    Also carries the squared norms of the gradients and of the updates taken so far.
+    Also carries the squared norms of the gradients and of the updates taken so far, and, for a
+    reversible layer, the output of the layer whose input is rebuilt next.
     """
 
     def body(carry: Any, i: jax.Array) -> Any:
-        stack, stacks, dh, sq = carry
+        stack, stacks, dh, sq, y = carry
         layer = _read(stack, i)
-        _, layer_vjp = jax.vjp(layer_fn, layer, _read(inputs, i))
+        h = source.read(y, layer, i)
+        _, layer_vjp = jax.vjp(layer_fn, layer, h)
         grad, dh = layer_vjp(dh)
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
-        return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i)), None
+        y = h if source.inverse_fn is not None else y
+        return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
     length = jax.tree.leaves(stack)[0].shape[0]
     zero = jnp.zeros((), jnp.result_type(float))
-    (stack, stacks, dh, sq), _ = lax.scan(
-        body, (stack, stacks, dh, (zero, zero)), jnp.arange(length), reverse=True
+    (stack, stacks, dh, sq, _), _ = lax.scan(
+        body, (stack, stacks, dh, (zero, zero), source.carry), jnp.arange(length), reverse=True
     )
     return stack, stacks, dh, sq
 
