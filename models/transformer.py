@@ -25,7 +25,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -577,11 +577,11 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
     update inside the backward pass (:func:`remat_nn.fused_update_step`): each block under the
-    model's remat plan.
+    model's remat plan; with ``reversible``, each coupling, and its inverse if ``reconstruct``.
 
     Raises:
-      ValueError: the blocks are not one ``nn.scan`` of blocks (``scan_layers=false``,
-        ``scan_levels``, ``reversible``), or dropout draws per-layer random numbers.
+      ValueError: the blocks are not one scan of blocks or couplings (``scan_layers=false``,
+        ``scan_levels``), or dropout draws per-layer random numbers.
 
     >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
     >>> tokens = jnp.zeros((2, 4), jnp.int32)
@@ -595,10 +595,8 @@ def layer_stack(module: Transformer) -> LayerStack:
     """
     o = module
     why = (
-        "reversible=true (couplings, not a scan of blocks)"
-        if o.reversible
-        else "scan_layers=false (one parameter tree per block, no stack)"
-        if not o.scan_layers
+        "scan_layers=false (one parameter tree per block, no stack)"
+        if not o.scan_layers and not o.reversible
         else f"scan_levels={o.scan_levels} (a nested scan)"
         if o.scan_levels is not None
         else f"dropout={o.dropout} (nn.scan draws each block's dropout mask)"
@@ -608,11 +606,9 @@ def layer_stack(module: Transformer) -> LayerStack:
     if why is not None:
         raise ValueError(
             f"transformer: the optimizer update inside the backward pass needs the blocks as one "
-            f"scan of blocks without dropout, but the model has {why}. Fix: scan_layers=true, "
-            "reversible=false, scan_levels=null, dropout=0."
+            f"scan of blocks without dropout, but the model has {why}. Fix: scan_layers=true "
+            "(or reversible=true), scan_levels=null, dropout=0."
         )
-    block_cls = Block if o.remat is None else rnn.remat(Block, policy=o.remat, prevent_cse=False)
-    block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
     wte = fnn.Embed(o.vocab_size, o.d_model)
 
     def embed(rest: Any, tokens: jax.Array) -> jax.Array:
@@ -623,14 +619,61 @@ def layer_stack(module: Transformer) -> LayerStack:
             x = x + wpe[None].astype(o.dtype)  # (1, T, D) broadcast over B
         return x
 
-    def layer(params: Any, x: jax.Array) -> jax.Array:
-        return block.apply({"params": params}, x)[0]
-
     def head(rest: Any, x: jax.Array) -> jax.Array:
         x = fnn.LayerNorm(dtype=jnp.float32).apply({"params": rest["ln_f"]}, x)  # (B, T, D)
         return wte.apply({"params": rest["wte"]}, x, method="attend")  # (B, T, V)
 
+    if o.reversible:
+        return _reversible_layer_stack(o, embed, head)
+    block_cls = Block if o.remat is None else rnn.remat(Block, policy=o.remat, prevent_cse=False)
+    block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
+
+    def layer(params: Any, x: jax.Array) -> jax.Array:
+        return block.apply({"params": params}, x)[0]
+
     return LayerStack("blocks", embed, layer, head)
+
+
+def _reversible_layer_stack(
+    o: Transformer, embed: Callable[..., jax.Array], head: Callable[..., jax.Array]
+) -> LayerStack:
+    """The couplings of ``reversible=true`` as one layer each, as ``nn.ReversibleSequence`` runs
+    them: the stream ``(x1, x2)`` in ``recon_dtype``, attention and MLP in ``dtype``, and the
+    coupling's inverse when ``reconstruct`` (the backward then keeps no layer inputs)."""
+    coupling = rnn.AdditiveCoupling(
+        Attention(o.n_heads, o.position == "rotary", 0.0, o.dtype), MLP(o.d_ff, 0.0, o.dtype)
+    )
+
+    def branch(method: str) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]:
+        def fn(params: Any, consts: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+            return coupling.apply({"params": params}, x, method=method, train=True), consts
+
+        return fn
+
+    stream = o.dtype if o.recon_dtype is None else o.recon_dtype
+    block = rn.coupling_block(
+        branch("apply_f"),
+        branch("apply_g"),
+        compute_dtype=None if o.recon_dtype is None else o.dtype,
+    )
+
+    def embed_pair(rest: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = embed(rest, tokens).astype(stream)
+        return x, x
+
+    def layer(params: Any, h: Any) -> Any:
+        return block.forward(params["layers"], None, h)[0]
+
+    def inverse(params: Any, y: Any) -> Any:
+        return block.inverse(params["layers"], None, y)
+
+    def head_pair(rest: Any, h: Any) -> jax.Array:
+        y1, y2 = (y.astype(o.dtype) for y in h)
+        return head(rest, (y1 + y2) / 2)
+
+    return LayerStack(
+        "blocks", embed_pair, layer, head_pair, inverse=inverse if o.reconstruct else None
+    )
 
 
 #: The registry's entries of this file (registered at the first models.get).

@@ -93,6 +93,56 @@ def test_fused_step_equals_two_phase_step():
     assert bool(fm["finite"])
 
 
+@pytest.mark.parametrize("reconstruct", [True, False])
+def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
+    # reversible=true: additive couplings (attention F, MLP G) in one scan. With reconstruct the
+    # fused step rebuilds each coupling's input from its output (the coupling's inverse) instead
+    # of saving it, as the two-phase step's reversible backward does. float64 as above.
+    optim = Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1)
+    with jax.enable_x64(True):
+        model = _model(
+            dtype=jnp.float64,
+            reversible=True,
+            reconstruct=reconstruct,
+            recon_dtype=jnp.float64,
+            remat=None,
+        )
+        out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
+    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+    err = max(
+        float(rn.relative_error(fused.params, ref.params, floor=1e-2)),
+        float(rn.relative_error(fused.opt_state, ref.opt_state, floor=1e-2)),
+    )
+    print(f"reversible (reconstruct={reconstruct}), 10 steps float64: rel err {err:.3g}")
+    assert err <= 1e-6
+    assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
+
+
+def test_reversible_transformer_fused_step_keeps_no_layer_inputs():
+    # The donated fused step's temp: flat in depth when the couplings are inverted, one layer's
+    # input (both halves) more per layer when they are saved (reconstruct=false).
+    spec, (b, t, d) = models.get("transformer"), (8, 64, 64)
+    example = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    temp = {}
+    for reconstruct in (True, False):
+        for depth in (2, 8):
+            model = tf.Transformer(
+                vocab_size=V, d_model=d, n_heads=2, n_layers=depth, d_ff=2 * d, max_len=t,
+                reversible=True, reconstruct=reconstruct, remat=None,
+            )  # fmt: skip
+            tx, schedule = state_lib.make_optimizer(Optim(name="adamw", lr=1e-2), 10)
+            state = jax.eval_shape(state_lib.make_init(model, tx, example, seed=0))
+            step = fused_lib.make_fused_train_step(
+                spec.layer_stack(model), tx, schedule, compute_dtype=jnp.float32
+            )
+            lowered = jax.jit(step, donate_argnums=0).lower(state, {"x": example, "y": example})
+            temp[reconstruct, depth] = lowered.compile().memory_analysis().temp_size_in_bytes
+    layer_input = b * t * d * 4 * 2
+    print(f"temp by (reconstruct, depth): {temp}; one layer's input {layer_input} B")
+    assert temp[True, 8] - temp[True, 2] < layer_input / 4
+    assert temp[False, 8] - temp[False, 2] >= 6 * layer_input
+
+
 def test_fused_step_equals_two_phase_step_bf16_compute():
     # bf16 forward and backward, float32 master weights and update, no remat: the two steps
     # round the same bf16 products; measured bit for bit equal here, held to the float32 bound.

@@ -121,8 +121,19 @@ def make_fused_train_step(
             k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()
         }
 
+    def inverse(params: Any, y: Any) -> Any:
+        assert parts.inverse is not None
+        return parts.inverse(cast_floats(params, compute_dtype), y)
+
     fused = rn.fused_update_step(
-        embed, layer, head, tx, stack_key=parts.key, has_aux=True, norms=True
+        embed,
+        layer,
+        head,
+        tx,
+        stack_key=parts.key,
+        has_aux=True,
+        norms=True,
+        inverse_fn=None if parts.inverse is None else inverse,
     )
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
