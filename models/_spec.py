@@ -34,15 +34,16 @@ class LayerStack:
       embed: ``(rest, x) -> h``, the first layer's input; ``rest`` is the parameters but ``key``.
       layer: ``(layer_params, h) -> h``, one layer under the model's remat plan.
       head: ``(rest, h) -> outputs``, what ``module.apply`` returns.
-      inverse: ``(layer_params, y) -> h``, the layer's inverse for a reversible stack (the
-        backward rebuilds each layer's input instead of saving it), or None.
+      backward: for a reversible stack, ``(layer_params, y, dy) -> (h, d_layer_params, dh)``:
+        the layer's inverse fused with its VJP (the backward rebuilds each layer's input from
+        its output instead of saving it); None: inputs are saved.
     """
 
     key: str
     embed: Callable[[Any, Any], Any]
     layer: Callable[[Any, Any], Any]
     head: Callable[[Any, Any], Any]
-    inverse: Callable[[Any, Any], Any] | None = None
+    backward: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -577,7 +577,8 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
     update inside the backward pass (:func:`remat_nn.fused_update_step`): each block under the
-    model's remat plan; with ``reversible``, each coupling, and its inverse if ``reconstruct``.
+    model's remat plan; with ``reversible``, each coupling (inverted in the backward if
+    ``reconstruct``).
 
     Raises:
       ValueError: the blocks are not one scan of blocks or couplings (``scan_layers=false``,
@@ -639,7 +640,7 @@ def _reversible_layer_stack(
 ) -> LayerStack:
     """The couplings of ``reversible=true`` as one layer each, as ``nn.ReversibleSequence`` runs
     them: the stream ``(x1, x2)`` in ``recon_dtype``, attention and MLP in ``dtype``, and the
-    coupling's inverse when ``reconstruct`` (the backward then keeps no layer inputs)."""
+    coupling's inverse fused with its VJP when ``reconstruct`` (no layer inputs kept)."""
     coupling = rnn.AdditiveCoupling(
         Attention(o.n_heads, o.position == "rotary", 0.0, o.dtype), MLP(o.d_ff, 0.0, o.dtype)
     )
@@ -664,15 +665,16 @@ def _reversible_layer_stack(
     def layer(params: Any, h: Any) -> Any:
         return block.forward(params["layers"], None, h)[0]
 
-    def inverse(params: Any, y: Any) -> Any:
-        return block.inverse(params["layers"], None, y)
+    def backward(params: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
+        h, grads, dh = block.backward(params["layers"], None, y, dy)
+        return h, {"layers": grads}, dh
 
     def head_pair(rest: Any, h: Any) -> jax.Array:
         y1, y2 = (y.astype(o.dtype) for y in h)
         return head(rest, (y1 + y2) / 2)
 
     return LayerStack(
-        "blocks", embed_pair, layer, head_pair, inverse=inverse if o.reconstruct else None
+        "blocks", embed_pair, layer, head_pair, backward=backward if o.reconstruct else None
     )
 
 

@@ -5,8 +5,8 @@ after computing layer ``i``'s gradient, applies the optimizer's update to layer 
 the parameter stack and of the optimizer state (``dynamic_update_index_in_dim`` on the carried
 stacks). The full gradient of the stack never exists: at any time one layer's gradient is live.
 Jitted with the state donated, the updates are written into the old state's buffers. Each
-layer's input is saved by the forward, or, for a reversible layer (``inverse_fn``), rebuilt
-from its output in the backward.
+layer's input is saved by the forward, or, for a reversible layer (``inverse_fn`` /
+``backward_fn``), rebuilt from its output in the backward.
 
 Only element-wise optimizers qualify (the update of a leaf reads only that leaf's gradient,
 state and parameter). The step checks this once, numerically, before its first use: see
@@ -61,6 +61,7 @@ def fused_update_step(
     has_aux: bool = False,
     norms: bool = False,
     inverse_fn: Callable[[Any, Any], Any] | None = None,
+    backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -97,6 +98,11 @@ def fused_update_step(
         carry the inverse's round-off, accumulated over the layers (as with
         :func:`remat_nn.reversible_scan`); the layer runs twice per backward step (inverse,
         then its VJP). ``None``: each layer's input is saved by the forward.
+      backward_fn: instead of ``inverse_fn``, the inverse fused with the layer's VJP:
+        ``(layer_params, y, dy) -> (h, d_layer_params, dh)``, e.g. the ``backward`` of
+        :func:`remat_nn.coupling_block` (adapted to take no consts), which runs each branch of
+        a coupling once and holds one branch's residuals at a time; a plain VJP of the whole
+        layer holds both branches' at once.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -119,8 +125,14 @@ def fused_update_step(
     >>> params[0].shape
     (3, 4, 4)
     """
+    if inverse_fn is not None and backward_fn is not None:
+        raise ValueError(
+            "fused_update_step: pass inverse_fn or backward_fn, not both (backward_fn is the "
+            "inverse fused with the layer's VJP). Fix: drop inverse_fn."
+        )
     layout = _Layout(stack_key)
     checked: list[bool] = []
+    rebuilds = inverse_fn is not None or backward_fn is not None
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
         layout.check(params)
@@ -132,10 +144,10 @@ def fused_update_step(
         h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
 
         def forward(h: Any, layer: Any) -> tuple[Any, Any]:
-            return layer_fn(layer, h), (h if inverse_fn is None else None)
+            return layer_fn(layer, h), (None if rebuilds else h)
 
         h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape), layer inputs
-        source = _Inputs(inputs, h_last, inverse_fn)
+        source = _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
                 lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
@@ -259,20 +271,32 @@ def _state_for(split: Split, layout: _Layout, *, stacks: list[Any] | None) -> An
 
 
 class _Inputs:
-    """Where the backward finds layer ``i``'s input: saved by the forward, or rebuilt.
+    """Layer ``i``'s input and VJP in the backward: from the saved input, or rebuilt.
 
-    Rebuilt (``inverse_fn`` given), the reverse scan carries the output of layer ``i`` and
-    inverts it with layer ``i``'s parameters before their update.
+    Rebuilt (``inverse_fn`` or ``backward_fn`` given), the reverse scan carries the output of
+    layer ``i`` (``carry``) and inverts it with layer ``i``'s parameters before their update.
     """
 
-    def __init__(self, saved: Any, last: Any, inverse_fn: Callable[[Any, Any], Any] | None):
-        self.saved, self.inverse_fn = saved, inverse_fn
-        self.carry = last if inverse_fn is not None else None
+    def __init__(
+        self,
+        saved: Any,
+        carry: Any,
+        inverse_fn: Callable[[Any, Any], Any] | None,
+        backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None,
+    ):
+        self.saved, self.carry = saved, carry
+        self.inverse_fn, self.backward_fn = inverse_fn, backward_fn
 
-    def read(self, carry: Any, layer: Any, i: jax.Array) -> Any:
-        if self.inverse_fn is None:
-            return _read(self.saved, i)
-        return self.inverse_fn(layer, carry)
+    def vjp(
+        self, layer_fn: Callable[[Any, Any], Any], layer: Any, y: Any, dh: Any, i: jax.Array
+    ) -> tuple[Any, Any, Any]:
+        """``(layer input, its gradient, the input's cotangent)``."""
+        if self.backward_fn is not None:
+            return self.backward_fn(layer, y, dh)
+        h = _read(self.saved, i) if self.inverse_fn is None else self.inverse_fn(layer, y)
+        _, layer_vjp = jax.vjp(layer_fn, layer, h)
+        grad, dh = layer_vjp(dh)
+        return h, grad, dh
 
 
 def _backward_update(
@@ -294,11 +318,9 @@ def _backward_update(
     def body(carry: Any, i: jax.Array) -> Any:
         stack, stacks, dh, sq, y = carry
         layer = _read(stack, i)
-        h = source.read(y, layer, i)
-        _, layer_vjp = jax.vjp(layer_fn, layer, h)
-        grad, dh = layer_vjp(dh)
+        h, grad, dh = source.vjp(layer_fn, layer, y, dh, i)
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
-        y = h if source.inverse_fn is not None else y
+        y = None if source.carry is None else h
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
     length = jax.tree.leaves(stack)[0].shape[0]

@@ -224,6 +224,18 @@ def uncoupling(w, y):
     return y1 - jnp.tanh(x2 @ w["f"]), x2
 
 
+_BLOCK = rn.coupling_block(
+    lambda p, c, x2: (jnp.tanh(x2 @ p["f"]), c), lambda p, c, y1: (jnp.tanh(y1 @ p["g"]), c)
+)
+
+
+def coupling_backward(w, y, dy):  # the inverse fused with the VJP, one branch at a time
+    return _BLOCK.backward(w, None, y, dy)
+
+
+REBUILT = {"inverse_fn": uncoupling, "backward_fn": coupling_backward}
+
+
 def split_embed(rest, x):
     h = x * rest["scale"][None, :]
     return h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2 :]
@@ -250,12 +262,15 @@ def make_reversible(dtype, length=L, width=D, batch=B):
     return (stack, rest), jax.random.normal(k[2], (batch, width), dtype)
 
 
+@pytest.mark.parametrize("rebuilt", sorted(REBUILT))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_reversible_stack_equals_two_phase_step_float64(name):
+def test_reversible_stack_equals_two_phase_step_float64(name, rebuilt):
     with jax.enable_x64(True):
         tx = OPTIMIZERS[name]()
         params, x = make_reversible(jnp.float64)
-        fused = rn.fused_update_step(split_embed, coupling, merged_head, tx, inverse_fn=uncoupling)
+        fused = rn.fused_update_step(
+            split_embed, coupling, merged_head, tx, **{rebuilt: REBUILT[rebuilt]}
+        )
 
         def two(params, opt_state, x):
             loss, grads = jax.value_and_grad(reversible_loss)(params, x)
@@ -265,7 +280,7 @@ def test_reversible_stack_equals_two_phase_step_float64(name):
         got = run(fused, params, tx.init(params), x, 10)
         want = run(two, params, tx.init(params), x, 10)
         err = float(rn.relative_error(got, want))  # params, optimizer state, the last loss
-        print(f"{name}: reversible fused vs two-phase, 10 float64 steps: rel err {err:.3g}")
+        print(f"{name}, {rebuilt}: fused vs two-phase, 10 float64 steps: rel err {err:.3g}")
         assert err <= 1e-6
 
 
@@ -273,15 +288,20 @@ def test_reversible_stack_temp_does_not_grow_with_depth():
     """Saved inputs cost one activation per layer; rebuilt inputs cost nothing per layer."""
     tx = optax.adam(1e-3)
     temp = {}
-    for rebuilt in (False, True):
+    for rebuilt in ("saved", *sorted(REBUILT)):
         for length in (4, 32):
             params, x = make_reversible(jnp.float32, length=length, width=64, batch=512)
-            step = rn.fused_update_step(
-                split_embed, coupling, merged_head, tx, inverse_fn=uncoupling if rebuilt else None
-            )
+            kw = {} if rebuilt == "saved" else {rebuilt: REBUILT[rebuilt]}
+            step = rn.fused_update_step(split_embed, coupling, merged_head, tx, **kw)
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), x)
             temp[rebuilt, length] = compiled.compile().memory_analysis().temp_size_in_bytes
     h_bytes = 512 * 64 * 4  # one layer's input (both halves)
-    print(f"temp by (rebuilt, depth): {temp}; one layer's input {h_bytes} B")
-    assert temp[False, 32] - temp[False, 4] >= 28 * h_bytes  # the saved inputs grow
-    assert temp[True, 32] - temp[True, 4] < h_bytes / 4
+    print(f"temp by (inputs, depth): {temp}; one layer's input {h_bytes} B")
+    assert temp["saved", 32] - temp["saved", 4] >= 28 * h_bytes  # the saved inputs grow
+    for rebuilt in REBUILT:
+        assert temp[rebuilt, 32] - temp[rebuilt, 4] < h_bytes / 4
+
+
+def test_inverse_and_fused_backward_are_exclusive():
+    with pytest.raises(ValueError, match="inverse_fn or backward_fn, not both"):
+        rn.fused_update_step(split_embed, coupling, merged_head, optax.sgd(1e-2), **REBUILT)

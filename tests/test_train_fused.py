@@ -96,8 +96,9 @@ def test_fused_step_equals_two_phase_step():
 @pytest.mark.parametrize("reconstruct", [True, False])
 def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
     # reversible=true: additive couplings (attention F, MLP G) in one scan. With reconstruct the
-    # fused step rebuilds each coupling's input from its output (the coupling's inverse) instead
-    # of saving it, as the two-phase step's reversible backward does. float64 as above.
+    # fused step rebuilds each coupling's input from its output (the coupling's inverse fused
+    # with its VJP) instead of saving it, as the two-phase step's reversible backward does.
+    # float64 as above.
     optim = Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1)
     with jax.enable_x64(True):
         model = _model(

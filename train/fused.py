@@ -121,9 +121,11 @@ def make_fused_train_step(
             k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()
         }
 
-    def inverse(params: Any, y: Any) -> Any:
-        assert parts.inverse is not None
-        return parts.inverse(cast_floats(params, compute_dtype), y)
+    def backward(params: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
+        assert parts.backward is not None
+        cast, cast_vjp = jax.vjp(lambda p: cast_floats(p, compute_dtype), params)
+        h, d_cast, dh = parts.backward(cast, y, dy)
+        return h, cast_vjp(d_cast)[0], dh
 
     fused = rn.fused_update_step(
         embed,
@@ -133,7 +135,7 @@ def make_fused_train_step(
         stack_key=parts.key,
         has_aux=True,
         norms=True,
-        inverse_fn=None if parts.inverse is None else inverse,
+        backward_fn=None if parts.backward is None else backward,
     )
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
