@@ -60,6 +60,14 @@ def _steps(model, optim: Optim, *, compute_dtype=jnp.float32, state_dtype=jnp.fl
     return out
 
 
+def _state_err(got, want) -> float:
+    assert int(got.step) == int(want.step) and np.array_equal(got.rng, want.rng)
+    return max(
+        float(rn.relative_error(got.params, want.params, floor=1e-2)),
+        float(rn.relative_error(got.opt_state, want.opt_state, floor=1e-2)),
+    )
+
+
 def test_fused_step_equals_two_phase_step():
     # adamw with a weight-decay mask by path and a warm-up + cosine schedule, each block under a
     # per-name plan, rotary positions. (sgd with momentum, Nesterov and weight decay under the
@@ -80,14 +88,11 @@ def test_fused_step_equals_two_phase_step():
     # gradients carry float32 round-off, the whole of a leaf whose exact gradient is 0 (the key
     # bias): a leaf's scale is at least 1e-2 of its tree's largest, as in the project's other
     # comparisons of gradients computed two ways.
-    err = max(
-        float(rn.relative_error(fused.params, ref.params, floor=1e-2)),
-        float(rn.relative_error(fused.opt_state, ref.opt_state, floor=1e-2)),
-    )
+    err = _state_err(fused, ref)
     print(f"10 steps float64, params and optimizer state max-scaled rel err {err:.3g}")
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert err <= 1e-6
-    assert int(fused.step) == 10 and np.array_equal(fused.rng, ref.rng)
+    assert int(fused.step) == 10
     for k in ("loss", "accuracy", "grad_norm", "lr"):
         assert abs(float(fm[k]) - float(rm[k])) <= 1e-6 * max(abs(float(rm[k])), 1.0), k
     assert bool(fm["finite"])
@@ -110,10 +115,7 @@ def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
         )
         out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
     (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-    err = max(
-        float(rn.relative_error(fused.params, ref.params, floor=1e-2)),
-        float(rn.relative_error(fused.opt_state, ref.opt_state, floor=1e-2)),
-    )
+    err = _state_err(fused, ref)
     print(f"reversible (reconstruct={reconstruct}), 10 steps float64: rel err {err:.3g}")
     assert err <= 1e-6
     assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
@@ -187,14 +189,6 @@ def _cfg(run_dir, *overrides):
             "optim.weight_decay=1e-3",
             *overrides,
         ],
-    )
-
-
-def _state_err(got, want) -> float:
-    assert int(got.step) == int(want.step) and np.array_equal(got.rng, want.rng)
-    return max(
-        float(rn.relative_error(got.params, want.params, floor=1e-2)),
-        float(rn.relative_error(got.opt_state, want.opt_state, floor=1e-2)),
     )
 
 
