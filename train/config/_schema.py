@@ -470,10 +470,11 @@ class Config(_Section):
         """
         request, problems = self._remat_parsed
         if request is None:
+            why = "".join(f"; {path}: {msg}" for path, msg in problems).rstrip(".")
             raise ValueError(
                 f"remat={self.remat!r} (model.options={self.model.options!r}) is not a valid "
-                f"request{': ' if problems else ''}{'; '.join(m for _, m in problems)}. Fix: load "
-                "the config with train.config.load_config, which checks it against the model."
+                f"request{why}. Fix: load the config with train.config.load_config, which checks "
+                "it against the model."
             )
         return request
 
