@@ -239,13 +239,17 @@ class _ImageOptions(pydantic.BaseModel):
     @pydantic.field_validator("remat", mode="before")
     @classmethod
     def _remat(cls, v: Any) -> Any:
-        # Checked as models.remat_option reads it (one message, naming the model); kept as given.
-        if v is not None:
-            remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
-        return v
+        # Resolved here, once (one message, naming the model): the Plan, or "none" for no remat
+        # (None stays None: the model's default, which depends on other options).
+        if v is None:
+            return None
+        plan = remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
+        return "none" if plan is None else plan
 
 
 def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
+    # The options schema hands a Plan or "none" (a Plan's names are checked again here, as for a
+    # caller of build_resnet / build_revnet); a direct caller may give any form remat_option reads.
     value = default if remat is None else remat
     return remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
 

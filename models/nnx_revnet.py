@@ -149,9 +149,11 @@ class NNXRevNetOptions(pydantic.BaseModel):
     @pydantic.field_validator("remat", mode="before")
     @classmethod
     def _remat(cls, v: Any) -> Any:
-        if v is not None:
-            remat_option(v, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
-        return v
+        # Resolved here, once: the Plan, or "none" for no remat (None: the default, full).
+        if v is None:
+            return None
+        plan = remat_option(v, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
+        return "none" if plan is None else plan
 
 
 def build(

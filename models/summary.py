@@ -110,6 +110,13 @@ def _validate(name: str, overrides: dict[str, Any]) -> tuple[models.ModelSpec, A
     return spec, opts
 
 
+def _as_written(opts: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    # The validated options, with the remat plan as written: the options schemas resolve
+    # `remat` (and the transformer's `custom_plan`) into the plan the model is built with.
+    shown = ("remat", "custom_plan")
+    return {k: overrides.get(k) if k in shown else v for k, v in opts.model_dump().items()}
+
+
 def _list() -> str:
     load_builtin()
     width = max(map(len, models.REGISTRY))
@@ -121,7 +128,7 @@ def _list() -> str:
 def summarize(name: str, overrides: dict[str, Any], *, batch: int, compile: bool) -> str:
     """The report printed by the command line, as a string."""
     spec, opts = _validate(name, overrides)
-    module = spec.build(**opts.model_dump())
+    module = spec.build(**dict(opts))  # as models.build does: a resolved remat plan stays a Plan
     x = example_batch(spec, opts, batch)
     variables = jax.eval_shape(lambda: module.init(jax.random.key(0), x, train=False))
     variables = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables)
@@ -132,7 +139,7 @@ def summarize(name: str, overrides: dict[str, Any], *, batch: int, compile: bool
     loss = loss_fn(module, spec, variables)
     lines = [
         f"model      {name}  ({spec.doc})",
-        f"options    {opts.model_dump()}",
+        f"options    {_as_written(opts, overrides)}",
         f"input      {x.dtype}{list(x.shape)}",
         f"params     {count_params(params):,}  ({count_params(params) / 1e6:.3f}M)",
         f"FLOPs      {flops / 1e6:,.2f} MFLOPs per example (matmul + conv, forward, counted)",

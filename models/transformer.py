@@ -491,7 +491,9 @@ class TransformerOptions(pydantic.BaseModel):
                 "their activations and keep none per layer, so a remat plan has nothing to act on. "
                 "Fix: drop remat (or set remat=none), or set reversible=false."
             )
-        remat_plan(_default_remat(self.remat, self.reversible), self.custom_plan)
+        plan = remat_plan(_default_remat(self.remat, self.reversible), self.custom_plan)
+        # Resolved here, once: build receives the plan ("none": no remat), custom_plan read in it.
+        self.remat, self.custom_plan = ("none" if plan is None else plan), None
         _check_scan_levels(self.scan_levels, self.scan_layers, self.reversible, self.dropout)
         return self
 

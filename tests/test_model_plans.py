@@ -268,11 +268,11 @@ def test_plans_that_would_do_nothing_are_refused_naming_the_model(name):
 
 def test_the_config_takes_remat_for_cnn_models_and_refuses_plans_naming_nothing():
     cfg = load_config(ROOT / "configs/resnet.yaml", ["remat=full"])
-    assert remat_lib.resolve(cfg) == FULL
+    assert remat_lib.resolve(cfg.remat_request, cfg.model.spec()) == FULL
     cfg = load_config(ROOT / "configs/revnet.yaml", ["remat=none"])
-    assert remat_lib.resolve(cfg) == remat_lib.NO_REMAT
+    assert remat_lib.resolve(cfg.remat_request, cfg.model.spec()) == remat_lib.NO_REMAT
     cfg = load_config(ROOT / "configs/resnet.yaml", ["remat={save: [conv_out]}"])
-    assert remat_lib.resolve(cfg) == SAVE_CONV
+    assert remat_lib.resolve(cfg.remat_request, cfg.model.spec()) == SAVE_CONV
     with pytest.raises(ConfigError) as info:
         load_config(ROOT / "configs/resnet.yaml", ["remat={save: [mlp_hidden]}"])
     errors = dict(info.value.errors)

@@ -12,7 +12,7 @@ import models
 import remat_nn as rn
 from remat_nn import nn as rnn
 from train import loop
-from train.config import ConfigError, load_config
+from train.config import AutoRequest, ConfigError, load_config
 
 DEBUG = Path(__file__).resolve().parents[1] / "configs" / "debug.yaml"
 NAMED = "named_mlp_for_autoplan_tests"
@@ -174,7 +174,8 @@ def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
     )
     args = (abstract.params, abstract.batch_stats, batch, jax.random.key(0))
     budget = rn.compiled_memory(jax.grad(lambda *a: loss(*a)[0]), *args).temp_size_in_bytes
-    request = {"policy": "auto", "budget": budget, "variants": {"nested": {"levels": 2}}}
+    auto = {"policy": "auto", "budget": budget, "variants": {"nested": {"levels": 2}}}
+    request = AutoRequest.from_config(auto)
     choice = autoplan.load_or_plan(request, run_dir=tmp_path, **kw)
     assert choice.variant == "nested" and dict(choice.model_options) == {"levels": 2}
     assert choice.policy == choice.plan  # the variant sets no remat: the plan applies
@@ -188,7 +189,7 @@ def test_auto_plan_falls_back_on_a_variant_and_saves_its_options(tmp_path):
     assert read == autoplan.AutoChoice(rn.plan({"save": ["mlp_hidden"]}), {})
     bad = {"policy": "auto", "budget": budget, "variants": {"wide": {"widht": 128}}}
     with pytest.raises(ValueError, match=r"remat\.variants\.wide: .*Fix: fix or drop"):
-        autoplan.load_or_plan(bad, run_dir=tmp_path / "bad", **kw)
+        autoplan.load_or_plan(AutoRequest.from_config(bad), run_dir=tmp_path / "bad", **kw)
 
 
 # --- the model's own forms (models.ModelSpec.variants) -------------------------------------------
@@ -258,7 +259,9 @@ def test_variants_config_adds_replaces_drops_and_switches_off(monkeypatch):
         if variants is not ...:
             request["variants"] = variants
         with pytest.raises(SetupError, match=r"remat\.budget=0\.5: spy"):
-            autoplan.load_or_plan(request, run_dir=Path("/nonexistent"), **kw)
+            autoplan.load_or_plan(
+                AutoRequest.from_config(request), run_dir=Path("/nonexistent"), **kw
+            )
         return None if seen[-1] is None else sorted(seen[-1])
 
     assert planned(...) == ["nested", "reversible"]  # no `variants:`: the model's own
@@ -272,7 +275,7 @@ def test_variants_config_adds_replaces_drops_and_switches_off(monkeypatch):
     assert (None, {"reversible": True, "remat": "none"}) in built
     bogus = {"policy": "auto", "budget": 0.5, "variants": {"bogus": None}}
     with pytest.raises(SetupError, match=r"remat\.variants\.bogus: null drops .*Fix: drop"):
-        autoplan.load_or_plan(bogus, run_dir=Path("/nonexistent"), **kw)
+        autoplan.load_or_plan(AutoRequest.from_config(bogus), run_dir=Path("/nonexistent"), **kw)
 
 
 def test_tiny_transformer_picks_reversible_by_default_trains_and_resumes_bitwise(tmp_path):
@@ -346,13 +349,19 @@ def test_host_offload_on_cpu_can_be_refused(tmp_path):
 LM = ["model.name=transformer", "data.source=corpus"]
 
 
+def _resolve(cfg):
+    from train import remat as remat_lib
+
+    return remat_lib.resolve(cfg.remat_request, cfg.model.spec())
+
+
 def test_resolve_reads_every_form_into_a_plan():
     import models
     from train import remat as remat_lib
     from train.config import AutoRequest
 
     presets = models.get("transformer").remat_presets
-    resolve = lambda *o: remat_lib.resolve(load_config(None, [*LM, *o]))  # noqa: E731
+    resolve = lambda *o: _resolve(load_config(None, [*LM, *o]))  # noqa: E731
     assert resolve("remat=minimal") == presets["minimal"]
     assert resolve("remat=none") == remat_lib.NO_REMAT
     assert resolve() is None  # the model's default plan stands
@@ -376,7 +385,7 @@ def test_the_model_gets_the_plan_object_itself():
     assert built.remat is plan  # not a mapping parsed again on the way
     none = remat_lib.model_options_with_plan(opts, remat_lib.NO_REMAT)
     assert models.build("transformer", **none).remat is None
-    for keep in (None, remat_lib.resolve(cfg_for("x", "remat={policy: auto, budget: 0.5}"))):
+    for keep in (None, _resolve(cfg_for("x", "remat={policy: auto, budget: 0.5}"))):
         assert remat_lib.model_options_with_plan(opts, keep) == opts
 
 
@@ -458,7 +467,7 @@ def test_resnet110_picks_its_nested_form_below_every_per_name_plan(tmp_path):
     x = jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32)
     lines: list[str] = []
     choice = autoplan.load_or_plan(
-        {"policy": "auto", "budget": "0.8MiB"},
+        AutoRequest.from_config({"policy": "auto", "budget": "0.8MiB"}),
         run_dir=tmp_path,
         build=build,
         abstract_state=lambda o: jax.eval_shape(

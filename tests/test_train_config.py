@@ -124,7 +124,9 @@ def test_remat_plan_is_read_once_into_a_plan_and_checked():
             "remat={save: [query_proj], offload: [mlp_hidden]}",
         ],
     )
-    assert remat_lib.resolve(cfg) == rn.plan({"save": ["query_proj"], "offload": ["mlp_hidden"]})
+    assert remat_lib.resolve(cfg.remat_request, cfg.model.spec()) == rn.plan(
+        {"save": ["query_proj"], "offload": ["mlp_hidden"]}
+    )
     errs = errors_of(
         None,
         [

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     except rn.PlanError as e:
         # A plan name the traced model never produces (a model.module's names are known only
         # when traced): the config's plan, or one the module itself names.
-        where = "remat" if cfg.remat is not None else f"model.module={cfg.model.module!r}"
+        written = cfg.remat_request.key == "remat"
+        where = "remat" if written else f"model.module={cfg.model.module!r}"
         print(f"error: invalid config\n  {where}: {e}", file=sys.stderr)
         return 2
     if result.interrupted and result.step < cfg.train.steps:  # a signal at the last step: done

@@ -83,7 +83,7 @@ def read_choice(path: Path) -> AutoChoice:
 
 
 def load_or_plan(
-    remat: AutoRequest | Mapping[str, Any],
+    request: AutoRequest,
     *,
     run_dir: Path,
     build: Callable[..., Any],
@@ -98,8 +98,8 @@ def load_or_plan(
     """The run's plan (and variant): read from ``run_dir`` if saved there, else planned and saved.
 
     Args:
-      remat: the request (:func:`train.remat.resolve` gives it), or the config's
-        ``{policy: auto, budget: ...}`` mapping it is made from.
+      request: the config's ``{policy: auto, budget: ...}`` request (:func:`train.remat.resolve`
+        gives it).
       run_dir: the run directory.
       build: ``build(policy, overrides) -> module``: the model under a plan, ``"none"`` (no
         remat) or None (its options' own ``remat``), with ``overrides`` (a variant's options,
@@ -122,7 +122,6 @@ def load_or_plan(
         does not offer; or the planner refuses the request (e.g. a budget below every plan and
         form compiled: the message gives the least).
     """
-    request = remat if isinstance(remat, AutoRequest) else AutoRequest.from_config(remat)
     path = run_dir / PLAN_FILE
     if path.exists():
         choice = read_choice(path)

@@ -108,9 +108,9 @@ def build_experiment(
     loss = _loss(cfg, spec)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = _model_options(cfg, spec, dataset)
-    # The config's remat, read once: a Plan, "none", an AutoRequest (planned below) or None
-    # (the model's default plan).
-    plan = remat_lib.resolve(cfg)
+    # The config's remat request resolved once: a Plan, "none", an AutoRequest (planned below)
+    # or None (the model's default plan).
+    plan = remat_lib.resolve(cfg.remat_request, spec, model=cfg.model.label)
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
     data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written

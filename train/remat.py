@@ -1,7 +1,8 @@
-"""The run's remat plan: the config's ``remat`` turned into a :class:`remat_nn.Plan`, once.
+"""The run's remat plan: the config's request resolved against the model, once.
 
 A config names the plan at the top level (``remat:``) or, for the transformer, as the model's own
-option (``model.options.remat``, with ``custom_plan`` for ``custom``), in one of three forms:
+option (``model.options.remat``, with ``custom_plan`` for ``custom``), in one of three forms, which
+the config parses once into a :class:`train.config.RematRequest` (``cfg.remat_request``):
 
 - a preset name of the model (``full``, ``minimal``, ...; ``none`` is no remat), looked up in the
   model's ``remat_presets`` (the registry, :class:`models.ModelSpec`);
@@ -17,7 +18,7 @@ as its ``remat`` option (every model takes a ``Plan`` there, or refuses one nami
 >>> from train.config import load_config
 >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
 ...                          "remat={save: [query_proj], offload: [mlp_hidden]}"])
->>> plan = resolve(cfg)
+>>> plan = resolve(cfg.remat_request, cfg.model.spec())
 >>> str(plan)
 'save=query_proj;offload=mlp_hidden;default=recompute'
 >>> model_options_with_plan({"d_model": 64}, plan) == {"d_model": 64, "remat": plan}
@@ -32,8 +33,9 @@ from typing import Any, Literal
 
 import jax
 
+import models
 import remat_nn as rn
-from train.config import AutoRequest, Config, is_auto
+from train.config import AutoRequest, RematRequest
 from train.errors import SetupError
 
 __all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "resolve"]
@@ -43,46 +45,47 @@ __all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "resolve"]
 NO_REMAT: Literal["none"] = "none"
 
 
-def resolve(cfg: Config) -> rn.Plan | Literal["none"] | AutoRequest | None:
-    """The plan ``cfg`` names, read once.
+def resolve(
+    request: RematRequest, spec: models.ModelSpec, *, model: str | None = None
+) -> rn.Plan | Literal["none"] | str | AutoRequest | None:
+    """What the model is built with under ``request``: the one preset lookup of the trainer.
 
     Args:
-      cfg: a validated config (a preset it names exists, a plan mapping is valid).
+      request: the config's request (``cfg.remat_request``; a plan in it is parsed already).
+      spec: the model's registry entry (``cfg.model.spec()``), whose ``remat_presets`` name the
+        presets.
+      model: how errors call the model (``cfg.model.label``).
 
     Returns:
-      The :class:`remat_nn.Plan`; :data:`NO_REMAT` for the preset ``none``; an
-      :class:`~train.config.AutoRequest` for ``{policy: auto, ...}`` (plan it with
-      :func:`train.autoplan.load_or_plan`); None when the config names no plan (the model's
-      default plan stands).
+      The :class:`remat_nn.Plan`; :data:`NO_REMAT` for the preset ``none``; a policy name
+      (``str``) for a ``model.module``'s preset (:data:`models.MODULE_REMAT_PRESETS`: its
+      ``build`` hands it to ``nn.remat``); the :class:`~train.config.AutoRequest` for
+      ``{policy: auto, ...}`` (plan it with :func:`train.autoplan.load_or_plan`); None when the
+      config names no plan (the model's default plan stands).
+
+    Raises:
+      ValueError: a preset the model does not have (a config not loaded by ``load_config``).
 
     >>> from train.config import load_config
-    >>> resolve(load_config(None, ["model.name=transformer", "data.source=corpus",
-    ...                            "remat=save_qkv_proj"])).save
+    >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
+    ...                          "remat=save_qkv_proj"])
+    >>> resolve(cfg.remat_request, cfg.model.spec()).save
     ('query_proj', 'key_proj', 'value_proj')
-    >>> resolve(load_config(None, ["remat=null"])) is None
+    >>> cfg = load_config(None, ["remat=null"])
+    >>> resolve(cfg.remat_request, cfg.model.spec()) is None
     True
     """
-
-    remat: Any = cfg.remat
-    if remat is None:
-        options = cfg.model.options
-        remat = options.get("remat")
-        if remat == "custom" and options.get("custom_plan") is not None:
-            remat = options["custom_plan"]  # the transformer's own spelling of a per-name plan
-    if remat is None or isinstance(remat, rn.Plan):
-        return remat
-    if is_auto(remat):
-        return AutoRequest.from_config(remat)
-    if isinstance(remat, Mapping):
-        return rn.plan(remat)
-    presets = cfg.model.spec().remat_presets
-    if remat not in presets:
+    if request.kind != "preset":
+        return {"default": None, "plan": request.plan, "auto": request.auto}[request.kind]
+    presets = spec.remat_presets
+    if request.preset not in presets:
+        named = "the model" if model is None else f"model {model!r}"
         raise ValueError(
-            f"remat={remat!r}: model {cfg.model.label!r} has no such remat preset; its presets: "
+            f"remat={request.preset!r}: {named} has no such remat preset; its presets: "
             f"{sorted(presets)}. Fix: load the config with train.config.load_config, which "
             "checks it against the model."
         )
-    plan = presets[remat]
+    plan = presets[request.preset]
     return NO_REMAT if plan is None else plan
 
 
@@ -93,9 +96,10 @@ def model_options_with_plan(
 
     Args:
       options: the model's options.
-      plan: what :func:`resolve` or the planner gives: a ``Plan`` or :data:`NO_REMAT` replace the
-        model's ``remat``; None or an ``AutoRequest`` leave the options as they are (the planner
-        plans on the model so built: its parameters do not depend on the plan).
+      plan: what :func:`resolve` or the planner gives: a ``Plan``, :data:`NO_REMAT` or a
+        ``model.module``'s policy name replace the model's ``remat``; None or an ``AutoRequest``
+        leave the options as they are (the planner plans on the model so built: its parameters
+        do not depend on the plan).
 
     >>> model_options_with_plan({"remat": "custom", "custom_plan": {"save": ["x"]}}, "none")
     {'remat': 'none'}

@@ -20,17 +20,18 @@ The parts, one file each:
 - ``_yaml``: the reader (strict safe loader, duplicate keys, tabs, ``key.sub=value`` overrides);
 - ``_schema``: the sections, resume-safe fields marked with :func:`safe_field`;
 - ``_checks``: cross-checks against the model registry (model options, remat plan, data);
-- ``_auto``: the ``remat: {policy: auto, ...}`` request's checks and :class:`AutoRequest`;
+- ``_remat``: the ``remat`` request parsed once (:class:`RematRequest`, :func:`parse_remat`), and
+  the ``{policy: auto, ...}`` request's checks and :class:`AutoRequest`;
 - ``_load``: :func:`load_config` / :func:`dump_config`, the three above in order;
 - ``_resume``: which keys a resumed run may change, and the effective form configs compare in;
 - ``_describe``: :func:`describe_options`, the ``--help`` text;
 - ``_errors``: :class:`ConfigError`.
 """
 
-from train.config._auto import AutoRequest, is_auto, request_errors
 from train.config._describe import describe_options
 from train.config._errors import ConfigError
 from train.config._load import dump_config, load_config
+from train.config._remat import AutoRequest, RematRequest, is_auto, parse_remat, request_errors
 from train.config._resume import is_resume_safe, resume_safe_keys, resume_view
 from train.config._schema import (
     Checkpoint,
@@ -61,6 +62,7 @@ __all__ = [
     "Model",
     "Optim",
     "Profile",
+    "RematRequest",
     "Synthetic",
     "Tokens",
     "Train",
@@ -71,6 +73,7 @@ __all__ = [
     "is_auto",
     "is_resume_safe",
     "load_config",
+    "parse_remat",
     "request_errors",
     "resume_safe_keys",
     "resume_view",

@@ -2,7 +2,7 @@
 
 The model name must be registered and its options pass the model's own schema; the top-level
 ``remat`` must be something the model takes (a preset it has, a valid per-name plan, or the
-``policy: auto`` form with valid keys, checked by :func:`train.config.request_errors`); the data
+``policy: auto`` form with valid keys, as :func:`train.config.parse_remat` read it); the data
 source must fit the model's task and ``data.seq_len`` its ``max_len``.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import pydantic
 
 from remat_nn.errors import did_you_mean
-from train.config._auto import is_auto, request_errors
 from train.config._errors import pydantic_errors
+from train.config._remat import RematRequest, parse_remat
 from train.config._schema import Config, Model
 
 __all__ = ["cross_section_errors", "registry_errors", "registry_inputs"]
@@ -24,14 +24,16 @@ _IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
 _TABLE_SOURCES = {"npz", "synthetic"}
 
 
-def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tuple[str, str]]]:
+def _remat_errors(
+    model: Model, fields: Any, request: RematRequest | None, problems: list[tuple[str, str]]
+) -> tuple[Any, list[tuple[str, str]]]:
     # What the model's `remat` option receives from the top-level `remat` (None: nothing), and
-    # the errors of the top-level value itself.
+    # the errors of the top-level value itself (its own problems: `problems`).
     import remat_nn as rn
 
+    if not problems and (request is None or request.key != "remat"):
+        return None, []  # no top-level remat: the model's own option is its schema's to check
     errors: list[tuple[str, str]] = []
-    if remat is None:
-        return None, errors
     if "remat" not in fields:
         fix = (
             ". Fix: give build a `remat` parameter and pass it to remat_nn.nn.remat(Block, "
@@ -42,22 +44,20 @@ def _remat_errors(model: Model, fields: Any, remat: Any) -> tuple[Any, list[tupl
         errors.append(("remat", f"model {model.label!r} takes no remat plan option{fix}"))
     elif "remat" in model.options:
         errors.append(("remat", "set either remat or model.options.remat, not both"))
-    given: Any = None
-    if is_auto(remat):
-        errors += request_errors(remat)
-        given = rn.plan()  # stands in for the plan the planner will hand the model
-    elif isinstance(remat, dict):
-        try:
-            given = rn.plan(remat)
-        except rn.PlanError as e:
-            errors.append(("remat", str(e)))
-    else:
-        given = remat  # a preset name: the model's schema resolves it (did-you-mean included)
-    return (None if errors else given), errors
+    errors += problems
+    if errors or request is None:
+        return None, errors
+    if request.kind == "auto":
+        return rn.plan(), errors  # stands in for the plan the planner will hand the model
+    # A preset name: the model's schema resolves it (did-you-mean included).
+    return (request.plan if request.kind == "plan" else request.preset), errors
 
 
 def registry_errors(
-    model: Model, remat: Any, source: str | None, seq_len: int | None
+    model: Model,
+    remat: tuple[RematRequest | None, list[tuple[str, str]]],
+    source: str | None,
+    seq_len: int | None,
 ) -> list[tuple[str, str]]:
     """The errors of the model section, the top-level remat and the data against the registry."""
     if not model.label:
@@ -67,7 +67,8 @@ def registry_errors(
     except ValueError as e:  # an unknown name, or a model.module that cannot be used
         return [("model.module" if model.module else "model.name", str(e))]
     fields = spec.options.model_fields
-    given, errors = _remat_errors(model, fields, remat)
+    request, problems = remat
+    given, errors = _remat_errors(model, fields, request, problems)
     if model.module and isinstance(given, str) and given not in spec.remat_presets:
         hint = did_you_mean(given, spec.remat_presets)
         errors.append(
@@ -89,7 +90,7 @@ def registry_errors(
             whole = path == "model.options" and "remat" in msg  # a check across options
             if given is not None and (path == "model.options.remat" or whole):
                 path = "remat"
-                if is_auto(remat):
+                if request is not None and request.kind == "auto":
                     msg = f"policy: auto hands the model a remat plan, which it refuses: {msg}"
             errors.append((path, msg))
     allowed = {"lm": _LM_SOURCES, "regress": _TABLE_SOURCES}.get(spec.task, _IMAGE_SOURCES)
@@ -113,16 +114,16 @@ def registry_inputs(tree: dict[str, Any], cfg: Config | None) -> tuple[Any, ...]
     The registry checks run even when other sections fail, so all errors show at once.
     """
     if cfg is not None:
-        return cfg.model, cfg.remat, cfg.data.source, cfg.data.seq_len
+        return cfg.model, cfg.remat_parsed, cfg.data.source, cfg.data.seq_len
     try:
         model = Model.model_validate(tree.get("model") or {})
     except pydantic.ValidationError:
-        return Model.model_construct(name="", module=None, options={}), None, None, None
+        return Model.model_construct(name="", module=None, options={}), (None, []), None, None
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     source = data.get("source", "digits") if isinstance(data.get("source", ""), str) else None
     seq_len = data.get("seq_len", 128) if isinstance(data.get("seq_len", 0), int) else None
     remat = tree.get("remat") if isinstance(tree.get("remat"), str | dict) else None
-    return model, remat, source, seq_len
+    return model, parse_remat(remat, model.options), source, seq_len
 
 
 def cross_section_errors(cfg: Config) -> list[tuple[str, str]]:

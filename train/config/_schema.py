@@ -16,6 +16,8 @@ import pydantic
 from pydantic import Field, NonNegativeInt, PositiveInt
 from pydantic_core import PydanticUndefined
 
+from train.config._remat import RematRequest, parse_remat
+
 # A positive number that is finite: inf passes `gt=0` and would surface later as a non-finite loss.
 PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -438,6 +440,10 @@ class Config(_Section):
     )
     mesh: Mesh = Field(default_factory=Mesh)  # type: ignore[arg-type]
     distributed: Distributed = safe_field(default_factory=Distributed)  # type: ignore[arg-type]
+    # What parse_remat made of `remat`: the request (None: invalid) and the problems.
+    _remat_parsed: tuple[RematRequest | None, list[tuple[str, str]]] = pydantic.PrivateAttr(
+        default=(None, [])
+    )
 
     @pydantic.field_validator("remat", mode="before")
     @classmethod
@@ -449,6 +455,35 @@ class Config(_Section):
                 f"[...], recompute: [...], default: recompute}}, got {type(v).__name__} {v!r}"
             )
         return v
+
+    @pydantic.model_validator(mode="after")
+    def _parse_remat(self) -> Config:
+        # Never raises: load_config lists the problems with the registry's (same order).
+        self._remat_parsed = parse_remat(self.remat, self.model.options)
+        return self
+
+    @property
+    def remat_request(self) -> RematRequest:
+        """The remat request ``remat`` (or the model's own ``remat`` option) makes, parsed once.
+
+        Raises:
+          ValueError: the request is invalid (:func:`load_config` reports why).
+        """
+        request, problems = self._remat_parsed
+        if request is None:
+            why = "".join(f"; {path}: {msg}" for path, msg in problems).rstrip(".")
+            raise ValueError(
+                f"remat={self.remat!r} (model.options={self.model.options!r}) is not a valid "
+                f"request{why}. Fix: load the config with train.config.load_config, which checks "
+                "it against the model."
+            )
+        return request
+
+    @property
+    def remat_parsed(self) -> tuple[RematRequest | None, list[tuple[str, str]]]:
+        """What :func:`~train.config.parse_remat` made of ``remat``: the request (None: invalid)
+        and the problems of the top-level value, as ``(dotted path, message)`` pairs."""
+        return self._remat_parsed
 
     @property
     def resolved_run_dir(self) -> Path:

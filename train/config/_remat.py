@@ -1,19 +1,24 @@
-"""``remat: {policy: auto, budget: ...}``: the request's checks and its typed form.
+"""The config's remat request, parsed once: :class:`RematRequest`, made by :func:`parse_remat`.
 
-:func:`request_errors` lists the problems of the config's mapping (run by :func:`load_config`);
-:class:`AutoRequest` is the checked request the planner (:mod:`train.autoplan`) receives.
+A run names its remat plan at the top level (``remat:``) or, unset there, as the model's own
+option (``model.options.remat``; the transformer's ``custom`` with ``custom_plan``): a preset
+name, a per-name plan mapping, or ``{policy: auto, budget: ...}`` (:class:`AutoRequest`, checked
+by :func:`request_errors`). The request is what the config asks for; :func:`train.remat.resolve`
+turns it into what the model gets, against the model's presets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+import pydantic
 
 import remat_nn as rn
 from train.errors import SetupError
 
-__all__ = ["AutoRequest", "is_auto", "request_errors"]
+__all__ = ["AutoRequest", "RematRequest", "is_auto", "parse_remat", "request_errors"]
 
 _KEYS = (
     "policy",
@@ -143,6 +148,11 @@ class AutoRequest:
                 "remat: {policy: auto, ...} is not a valid request: "
                 + "; ".join(f"{path}: {msg}" for path, msg in problems)
             )
+        return cls._of_checked(remat)
+
+    @classmethod
+    def _of_checked(cls, remat: Mapping[str, Any]) -> AutoRequest:
+        # The request of a mapping request_errors passed.
         allow = remat.get("allow")
         return cls(
             budget=remat["budget"],
@@ -199,3 +209,98 @@ class AutoRequest:
         kwargs["flops_per_second"] = self.flops_per_second
         kwargs["memory_bandwidth"] = self.memory_bandwidth
         return kwargs
+
+
+class RematRequest(pydantic.BaseModel):
+    """The run's remat request: what the config asks for, parsed once (:func:`parse_remat`).
+
+    Not yet resolved against the model: :func:`train.remat.resolve` looks a preset up in the
+    model's ``remat_presets`` and gives what the model is built with.
+
+    Attributes:
+      kind: ``default`` (no plan named: the model's default stands), ``preset`` (a preset name),
+        ``plan`` (a per-name plan) or ``auto`` (``{policy: auto, ...}``: the planner chooses).
+      preset: ``kind == "preset"``: the name, not checked here (each model has its own).
+      plan: ``kind == "plan"``: the plan mapping (or the transformer's ``custom_plan``), parsed.
+      auto: ``kind == "auto"``: the budget planner's request.
+      key: where it was written: ``remat`` or ``model.options.remat``; None for ``default``.
+      shown: the value as written (``custom`` for the transformer's custom spelling), or
+        ``(the model default)``: what the dry run prints.
+
+    >>> request, _ = parse_remat({"save": ["query_proj"]}, {})
+    >>> request.kind, str(request.plan), request.key
+    ('plan', 'save=query_proj;default=recompute', 'remat')
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["default", "preset", "plan", "auto"] = "default"
+    preset: str | None = None
+    plan: pydantic.InstanceOf[rn.Plan] | None = None
+    auto: pydantic.InstanceOf[AutoRequest] | None = None
+    key: Literal["remat", "model.options.remat"] | None = None
+    shown: str = "(the model default)"
+
+    @pydantic.model_validator(mode="after")
+    def _one_form(self) -> RematRequest:
+        given = {f for f in ("preset", "plan", "auto") if getattr(self, f) is not None}
+        if given != {self.kind} - {"default"} or (self.key is None) != (self.kind == "default"):
+            raise ValueError(f"RematRequest(kind={self.kind!r}) with {sorted(given)} set")
+        return self
+
+
+def parse_remat(
+    remat: Any, options: Mapping[str, Any]
+) -> tuple[RematRequest | None, list[tuple[str, str]]]:
+    """The request a config makes, and the problems of its top-level ``remat``.
+
+    Args:
+      remat: the config's ``remat`` (a preset name, a plan mapping, ``{policy: auto, ...}``);
+        None: the model's own ``remat`` option in ``options`` is the request.
+      options: the config's ``model.options``.
+
+    Returns:
+      The request (None when it has problems) and the problems as ``(dotted path, message)``
+      pairs. Those of ``model.options`` (a bad ``custom_plan``) are the model schema's to list:
+      none here.
+
+    >>> parse_remat(None, {})[0].shown
+    '(the model default)'
+    >>> parse_remat(None, {"remat": "custom", "custom_plan": {"save": ["context"]}})[0].plan.save
+    ('context',)
+    >>> [path for path, _ in parse_remat({"policy": "auto"}, {})[1]]
+    ['remat.budget']
+    """
+    if remat is None:
+        return _own_option(options), []
+    shown = f"{remat}"
+    if is_auto(remat):
+        errors = request_errors(remat)
+        if errors:
+            return None, errors
+        auto = AutoRequest._of_checked(remat)
+        return RematRequest(kind="auto", auto=auto, key="remat", shown=shown), []
+    if isinstance(remat, Mapping):
+        try:
+            plan = rn.plan(remat)
+        except rn.PlanError as e:
+            return None, [("remat", str(e))]
+        return RematRequest(kind="plan", plan=plan, key="remat", shown=shown), []
+    return RematRequest(kind="preset", preset=remat, key="remat", shown=shown), []
+
+
+def _own_option(options: Mapping[str, Any]) -> RematRequest | None:
+    # The model's own `remat` option as the request (None: its plan does not parse).
+    remat = options.get("remat")
+    if remat is None:
+        return RematRequest()
+    key, shown = "model.options.remat", f"{remat}"
+    if remat == "custom" and options.get("custom_plan") is not None:
+        remat = options["custom_plan"]  # the transformer's own spelling of a per-name plan
+    if isinstance(remat, str):
+        return RematRequest(kind="preset", preset=remat, key=key, shown=shown)
+    try:
+        plan = remat if isinstance(remat, rn.Plan) else rn.plan(remat)
+    except (rn.PlanError, TypeError):
+        return None
+    return RematRequest(kind="plan", plan=plan, key=key, shown=shown)
