@@ -16,6 +16,7 @@ state and parameter). The step checks this once, numerically, before its first u
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -62,6 +63,7 @@ def fused_update_step(
     norms: bool = False,
     inverse_fn: Callable[[Any, Any], Any] | None = None,
     backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None,
+    save_every: int | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -103,6 +105,11 @@ def fused_update_step(
         :func:`remat_nn.coupling_block` (adapted to take no consts), which runs each branch of
         a coupling once and holds one branch's residuals at a time; a plain VJP of the whole
         layer holds both branches' at once.
+      save_every: the forward saves the input of every ``save_every``-th layer only (layers 0,
+        k, 2k, ...); before the VJPs of a segment's layers, the backward recomputes their
+        inputs from the segment's saved one (one more forward pass of the stack in all). Layer
+        inputs held: ``ceil(L / k) + k`` instead of ``L`` (``k ~ sqrt(L)``: the two-level
+        nesting of :func:`remat_nn.remat_scan`). ``None``: every layer's input is saved.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -130,9 +137,21 @@ def fused_update_step(
             "fused_update_step: pass inverse_fn or backward_fn, not both (backward_fn is the "
             "inverse fused with the layer's VJP). Fix: drop inverse_fn."
         )
+    rebuilds = inverse_fn is not None or backward_fn is not None
+    if save_every is not None and (
+        isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
+    ):
+        raise ValueError(
+            f"fused_update_step: save_every must be a positive int (save every k-th layer's "
+            f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
+        )
+    if save_every is not None and rebuilds:
+        raise ValueError(
+            "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
+            "rebuilds its inputs and saves none. Fix: drop save_every."
+        )
     layout = _Layout(stack_key)
     checked: list[bool] = []
-    rebuilds = inverse_fn is not None or backward_fn is not None
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
         layout.check(params)
@@ -143,11 +162,15 @@ def fused_update_step(
         split = _split(opt_state, params, layout)
         h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
 
-        def forward(h: Any, layer: Any) -> tuple[Any, Any]:
-            return layer_fn(layer, h), (None if rebuilds else h)
+        if save_every is not None:
+            h_last, source = _segments(layer_fn, h0, stack, save_every)
+        else:
 
-        h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape), layer inputs
-        source = _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
+            def forward(h: Any, layer: Any) -> tuple[Any, Any]:
+                return layer_fn(layer, h), (None if rebuilds else h)
+
+            h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape)
+            source = _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
                 lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
@@ -287,16 +310,74 @@ class _Inputs:
         self.saved, self.carry = saved, carry
         self.inverse_fn, self.backward_fn = inverse_fn, backward_fn
 
+    def input(self, stack: Any, layer: Any, carry: Any, i: jax.Array) -> tuple[Any, Any]:
+        """Layer ``i``'s input, and the carry for layer ``i - 1``."""
+        del stack
+        if self.inverse_fn is None:
+            return _read(self.saved, i), carry
+        h = self.inverse_fn(layer, carry)
+        return h, h
+
     def vjp(
-        self, layer_fn: Callable[[Any, Any], Any], layer: Any, y: Any, dh: Any, i: jax.Array
+        self,
+        layer_fn: Callable[[Any, Any], Any],
+        stack: Any,
+        layer: Any,
+        carry: Any,
+        dh: Any,
+        i: jax.Array,
     ) -> tuple[Any, Any, Any]:
-        """``(layer input, its gradient, the input's cotangent)``."""
+        """``(layer i's gradient, its input's cotangent, the carry for layer i - 1)``."""
         if self.backward_fn is not None:
-            return self.backward_fn(layer, y, dh)
-        h = _read(self.saved, i) if self.inverse_fn is None else self.inverse_fn(layer, y)
+            h, grad, dh = self.backward_fn(layer, carry, dh)
+            return grad, dh, h
+        h, carry = self.input(stack, layer, carry, i)
         _, layer_vjp = jax.vjp(layer_fn, layer, h)
         grad, dh = layer_vjp(dh)
-        return h, grad, dh
+        return grad, dh, carry
+
+
+class _Segments(_Inputs):
+    """Inputs saved every ``k`` layers; a segment's are recomputed into ``carry`` (k slots)
+    when the backward reaches its last layer, with its layers' parameters before their update."""
+
+    def __init__(self, anchors: Any, buffer: Any, k: int, length: int, layer_fn: Callable):
+        super().__init__(anchors, buffer, None, None)
+        self.k, self.length, self.layer_fn = k, length, layer_fn
+
+    def input(self, stack: Any, layer: Any, carry: Any, i: jax.Array) -> tuple[Any, Any]:
+        del layer
+        start = (i // self.k) * self.k
+
+        def refill(buffer: Any) -> Any:
+            def one(j: jax.Array, state: tuple[Any, Any]) -> tuple[Any, Any]:
+                h, buffer = state
+                return self.layer_fn(_read(stack, j), h), _write(buffer, h, j - start)
+
+            first = _read(self.saved, i // self.k)
+            return lax.fori_loop(start, i + 1, one, (first, buffer))[1]
+
+        last = (i == self.length - 1) | ((i + 1) % self.k == 0)  # a segment's last layer
+        carry = lax.cond(last, refill, lambda b: b, carry)
+        return _read(carry, i - start), carry
+
+
+def _segments(
+    layer_fn: Callable[[Any, Any], Any], h0: Any, stack: Any, k: int
+) -> tuple[Any, _Segments]:
+    """The forward scan saving the input of layers 0, k, 2k, ... (``anchors``)."""
+    length = jax.tree.leaves(stack)[0].shape[0]
+    zeros = lambda n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), h0)  # noqa: E731
+
+    def forward(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
+        (h, anchors), (layer, i) = carry, xs
+        keep = i % k == 0
+        slot = jax.tree.map(partial(jnp.where, keep), h, _read(anchors, i // k))
+        return (layer_fn(layer, h), _write(anchors, slot, i // k)), None
+
+    init = (h0, zeros(-(-length // k)))
+    (h_last, anchors), _ = lax.scan(forward, init, (stack, jnp.arange(length)))
+    return h_last, _Segments(anchors, zeros(min(k, length)), k, length, layer_fn)
 
 
 def _backward_update(
@@ -318,9 +399,8 @@ def _backward_update(
     def body(carry: Any, i: jax.Array) -> Any:
         stack, stacks, dh, sq, y = carry
         layer = _read(stack, i)
-        h, grad, dh = source.vjp(layer_fn, layer, y, dh, i)
+        grad, dh, y = source.vjp(layer_fn, stack, layer, y, dh, i)
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
-        y = None if source.carry is None else h
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
     length = jax.tree.leaves(stack)[0].shape[0]

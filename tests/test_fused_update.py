@@ -305,3 +305,50 @@ def test_reversible_stack_temp_does_not_grow_with_depth():
 def test_inverse_and_fused_backward_are_exclusive():
     with pytest.raises(ValueError, match="inverse_fn or backward_fn, not both"):
         rn.fused_update_step(split_embed, coupling, merged_head, optax.sgd(1e-2), **REBUILT)
+
+
+# --- save_every: inputs saved every k layers, a segment's recomputed in the backward -------------
+
+
+@pytest.mark.parametrize(("length", "k"), [(6, 4), (7, 3), (6, 1), (6, 10), (8, 2)])
+def test_save_every_equals_two_phase_step_float64(length, k):
+    # Segments [0, k), [k, 2k), ..., the last one shorter when k does not divide the length.
+    tx = optax.adam(1e-2)
+    with jax.enable_x64(True):
+        params, x = make(jnp.float64, length=length)
+        fused = rn.fused_update_step(embed, layer, head, tx, save_every=k)
+        got = run(fused, params, tx.init(params), x, 5)
+        want = run(two_phase(tx), params, tx.init(params), x, 5)
+    err = float(rn.relative_error(got, want))
+    print(f"length {length}, save_every={k}: 5 float64 steps, rel err {err:.3g}")
+    assert err <= 1e-6
+
+
+def test_save_every_holds_a_segments_inputs_and_the_saved_ones():
+    """Layer inputs held: ceil(L / k) saved + k recomputed, instead of L."""
+    tx = optax.adam(1e-3)
+    params, x = make(jnp.float32, length=32, width=64, batch=512)
+    temp = {}
+    for k in (None, 4, 8):
+        step = jax.jit(
+            rn.fused_update_step(embed, layer, head, tx, save_every=k), donate_argnums=(0, 1)
+        )
+        compiled = step.lower(params, tx.init(params), x).compile()
+        temp[k] = compiled.memory_analysis().temp_size_in_bytes
+    h_bytes = 512 * 64 * 4
+    print(f"temp by save_every: {temp}; one layer's input {h_bytes} B")
+    assert temp[None] - temp[4] >= (32 - 12) * h_bytes * 0.95  # 8 + 4 inputs instead of 32
+    assert abs(temp[8] - temp[4]) < h_bytes / 4  # 4 + 8: as many
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"save_every": 0}, "save_every must be a positive int"),
+        ({"save_every": True}, "save_every must be a positive int"),
+        ({"save_every": 2, "inverse_fn": uncoupling}, "rebuilds its inputs and saves none"),
+    ],
+)
+def test_save_every_bad_values_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rn.fused_update_step(embed, layer, head, optax.sgd(1e-2), **kwargs)
