@@ -37,6 +37,8 @@ class LayerStack:
       backward: for a reversible stack, ``(layer_params, y, dy) -> (h, d_layer_params, dh)``:
         the layer's inverse fused with its VJP (the backward rebuilds each layer's input from
         its output instead of saving it); None: inputs are saved.
+      save_every: save the input of every k-th layer only and recompute a segment's inputs in
+        the backward (:func:`remat_nn.fused_update_step`'s ``save_every``); None: every input.
     """
 
     key: str
@@ -44,6 +46,7 @@ class LayerStack:
     layer: Callable[[Any, Any], Any]
     head: Callable[[Any, Any], Any]
     backward: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None
+    save_every: int | None = None
 
 
 @dataclass(frozen=True)

@@ -580,11 +580,12 @@ def layer_stack(module: Transformer) -> LayerStack:
     The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
     update inside the backward pass (:func:`remat_nn.fused_update_step`): each block under the
     model's remat plan; with ``reversible``, each coupling (inverted in the backward if
-    ``reconstruct``).
+    ``reconstruct``); with ``scan_levels: 2``, the inputs of every k-th block are saved
+    (``save_every``, k the nesting's inner length).
 
     Raises:
       ValueError: the blocks are not one scan of blocks or couplings (``scan_layers=false``,
-        ``scan_levels``), or dropout draws per-layer random numbers.
+        ``scan_levels`` above 2), or dropout draws per-layer random numbers.
 
     >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
     >>> tokens = jnp.zeros((2, 4), jnp.int32)
@@ -600,8 +601,8 @@ def layer_stack(module: Transformer) -> LayerStack:
     why = (
         "scan_layers=false (one parameter tree per block, no stack)"
         if not o.scan_layers and not o.reversible
-        else f"scan_levels={o.scan_levels} (a nested scan)"
-        if o.scan_levels is not None
+        else f"scan_levels={o.scan_levels} (the fused step nests two levels: save_every)"
+        if o.scan_levels is not None and o.scan_levels > 2
         else f"dropout={o.dropout} (nn.scan draws each block's dropout mask)"
         if o.dropout
         else None
@@ -610,7 +611,7 @@ def layer_stack(module: Transformer) -> LayerStack:
         raise ValueError(
             f"transformer: the optimizer update inside the backward pass needs the blocks as one "
             f"scan of blocks without dropout, but the model has {why}. Fix: scan_layers=true "
-            "(or reversible=true), scan_levels=null, dropout=0."
+            "(or reversible=true), scan_levels=null or 2, dropout=0."
         )
     wte = fnn.Embed(o.vocab_size, o.d_model)
 
@@ -628,13 +629,18 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     if o.reversible:
         return _reversible_layer_stack(o, embed, head)
-    block_cls = Block if o.remat is None else rnn.remat(Block, policy=o.remat, prevent_cse=False)
+    plan = o.remat
+    if o.scan_levels is not None and plan is None:
+        plan = REMAT_PRESETS["full"]  # as _stack: nested blocks are recomputed whole by default
+    block_cls = Block if plan is None else rnn.remat(Block, policy=plan, prevent_cse=False)
     block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
 
     def layer(params: Any, x: jax.Array) -> jax.Array:
         return block.apply({"params": params}, x)[0]
 
-    return LayerStack("blocks", embed, layer, head)
+    # scan_levels=2: the inputs of every k-th block saved, k = the inner length of the nesting.
+    save_every = None if o.scan_levels is None else rn.remat_scan_lengths(o.n_layers, 2)[1]
+    return LayerStack("blocks", embed, layer, head, save_every=save_every)
 
 
 def _reversible_layer_stack(

@@ -121,6 +121,22 @@ def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
     assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
 
 
+def test_nested_transformer_fused_step_equals_two_phase_step():
+    # scan_levels=2 (blocks in rn.remat_scan, two levels): the fused step saves every k-th
+    # block's input (k = the nesting's inner length, 4 of 7 here: segments of 4 and 3) and
+    # recomputes a segment's in the backward. float64 as above.
+    optim = Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1)
+    with jax.enable_x64(True):
+        model = _model(dtype=jnp.float64, n_layers=7, scan_levels=2, remat=None)
+        assert models.get("transformer").layer_stack(model).save_every == 4
+        out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
+    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+    err = _state_err(fused, ref)
+    print(f"scan_levels=2, 7 blocks, 10 steps float64: rel err {err:.3g}")
+    assert err <= 1e-6
+    assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
+
+
 def test_reversible_transformer_fused_step_keeps_no_layer_inputs():
     # The donated fused step's temp: flat in depth when the couplings are inverted, one layer's
     # input (both halves) more per layer when they are saved (reconstruct=false).

@@ -136,6 +136,7 @@ def make_fused_train_step(
         has_aux=True,
         norms=True,
         backward_fn=None if parts.backward is None else backward,
+        save_every=parts.save_every,
     )
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
