@@ -59,7 +59,7 @@ def run(quick: bool = False) -> Result:
     }
     # Before the donated run below consumes model.params.
     fused_lines, fused_targets = _fused_section(model, tx, mems["not donated"], quick)
-    fused_lines += _reversible_section(model, tx)
+    fused_lines += _stack_forms_section(model, tx, quick)
     # Run the donated step once: the old state's buffers must be consumed.
     leaves = jax.tree.leaves(state)
     new_state, _ = compiled(state, model.tokens)
@@ -355,14 +355,18 @@ def _fused_section(
     return lines, targets
 
 
-def _reversible_section(model: wl.LM, tx: optax.GradientTransformation) -> list[str]:
-    """The same transformer made reversible: its two-phase steps and its fused step."""
+def _three_steps(
+    module: Any, tokens: jax.Array, tx: optax.GradientTransformation
+) -> tuple[int, list[str]]:
+    """bytes(state) and the table rows of ``module``'s two-phase steps and its fused step.
+
+    The fused step is ``models.transformer.layer_stack(module)`` as the trainer's
+    ``train.update_in_backward`` builds it (a reversible stack's fused backward, ``save_every``).
+    """
     from models import transformer as tf
 
-    module = model.module.clone(reversible=True, remat=None)
-    params = jax.jit(module.init)(jax.random.key(0), model.tokens[:, :-1])["params"]
+    params = jax.jit(module.init)(jax.random.key(0), tokens[:, :-1])["params"]
     state = (params, tx.init(params))
-    state_bytes = wl.tree_bytes(state)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
         logp = jax.nn.log_softmax(module.apply({"params": p}, tokens[:, :-1]))  # (B, T, V)
@@ -387,22 +391,56 @@ def _reversible_section(model: wl.LM, tx: optax.GradientTransformation) -> list[
         tx,
         stack_key=parts.key,
         backward_fn=parts.backward,
+        save_every=parts.save_every,
     )
     mems = {
-        "two-phase, not donated": wl.compile_step(two_phase, state, model.tokens)[1],
-        "two-phase, donate_argnums=0": wl.compile_step(
-            two_phase, state, model.tokens, donate_argnums=0
-        )[1],
-        "fused, donated": wl.compile_step(
-            fused, params, state[1], model.tokens, donate_argnums=(0, 1)
-        )[1],
+        "two-phase, not donated": wl.compile_step(two_phase, state, tokens)[1],
+        "two-phase, donate_argnums=0": wl.compile_step(two_phase, state, tokens, donate_argnums=0)[
+            1
+        ],
+        "fused, donated": wl.compile_step(fused, *state, tokens, donate_argnums=(0, 1))[1],
     }
-    plain = mems["two-phase, not donated"].peak_bytes
+    plain, state_bytes = mems["two-phase, not donated"].peak_bytes, wl.tree_bytes(state)
     rows = [
-        f"| {label} | {format_bytes(m.temp_size_in_bytes)} | {format_bytes(m.peak_bytes)} | "
-        f"{format_bytes(plain - m.peak_bytes)} = {(plain - m.peak_bytes) / state_bytes:.1%} |"
-        for label, m in mems.items()
+        "| step | temp | peak | peak below the non-donated two-phase step (of the state) |",
+        "|---|--:|--:|--:|",
+        *(
+            f"| {label} | {format_bytes(m.temp_size_in_bytes)} | {format_bytes(m.peak_bytes)} "
+            f"| {format_bytes(plain - m.peak_bytes)} = {(plain - m.peak_bytes) / state_bytes:.1%} |"
+            for label, m in mems.items()
+        ),
     ]
+    return state_bytes, rows
+
+
+def _stack_forms_section(model: wl.LM, tx: optax.GradientTransformation, quick: bool) -> list[str]:
+    """The fused step of the transformer's other stack forms: reversible, and nested."""
+    import models
+
+    state_bytes, reversible = _three_steps(
+        model.module.clone(reversible=True, remat=None), model.tokens, tx
+    )
+    config = (
+        wl.LMConfig(n_layers=6, d_model=32, n_heads=2, seq_len=16, batch=2)
+        if quick
+        else wl.LMConfig(n_layers=16, d_model=128, n_heads=4, seq_len=256, batch=8)
+    )
+    tokens = wl.lm_tokens(config)
+    nested_kw = dict(
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        n_heads=config.n_heads,
+        n_layers=config.n_layers,
+        max_len=config.seq_len,
+        remat="full",
+    )
+    forms = {
+        label: _three_steps(
+            models.build("transformer", **nested_kw, scan_levels=levels), tokens, tx
+        )
+        for label, levels in (("scan", None), ("nested", 2))
+    }
+    inner = rn.remat_scan_lengths(config.n_layers, 2)[1]
     return [
         "",
         "### The reversible transformer",
@@ -413,7 +451,21 @@ def _reversible_section(model: wl.LM, tx: optax.GradientTransformation) -> list[
         "inverse fused with its VJP (`models.transformer.layer_stack`, as the trainer's "
         "`train.update_in_backward` does), so it keeps no coupling inputs either.",
         "",
-        "| step | temp | peak | peak below the non-donated two-phase step (of the state) |",
-        "|---|--:|--:|--:|",
-        *rows,
+        *reversible,
+        "",
+        "### The nested transformer (`scan_levels: 2`)",
+        "",
+        f"A deeper transformer ({config}; blocks under the plan `full`), state "
+        f"{format_bytes(forms['nested'][0])}: with `scan_levels: 2` its blocks run in "
+        "`rn.remat_scan` (two levels), and the fused step saves the input of every k-th "
+        f"block (`save_every={inner}`, the nesting's inner length) and recomputes a "
+        "segment's inputs in the backward. The same model with one scan level for comparison.",
+        "",
+        "**scan_layers, one level**",
+        "",
+        *forms["scan"][1],
+        "",
+        "**scan_levels: 2**",
+        "",
+        *forms["nested"][1],
     ]
