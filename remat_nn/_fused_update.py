@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from remat_nn import _named_axes
 from remat_nn.errors import RematNNError
 
 if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
@@ -169,7 +170,7 @@ def fused_update_step(
             def forward(h: Any, layer: Any) -> tuple[Any, Any]:
                 return layer_fn(layer, h), (None if rebuilds else h)
 
-            h_last, inputs = lax.scan(forward, h0, stack)  # inputs: (L, *h.shape)
+            h_last, inputs = _named_axes.scan(forward, h0, stack)  # inputs: (L, *h.shape)
             source = _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
@@ -355,7 +356,7 @@ class _Segments(_Inputs):
                 return self.layer_fn(_read(stack, j), h), _write(buffer, h, j - start)
 
             first = _read(self.saved, i // self.k)
-            return lax.fori_loop(start, i + 1, one, (first, buffer))[1]
+            return _named_axes.fori_loop(start, i + 1, one, (first, buffer))[1]
 
         last = (i == self.length - 1) | ((i + 1) % self.k == 0)  # a segment's last layer
         carry = lax.cond(last, refill, lambda b: b, carry)
@@ -367,7 +368,9 @@ def _segments(
 ) -> tuple[Any, _Segments]:
     """The forward scan saving the input of layers 0, k, 2k, ... (``anchors``)."""
     length = jax.tree.leaves(stack)[0].shape[0]
-    zeros = lambda n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), h0)  # noqa: E731
+    # Slots of h0's type (inside shard_map: varying as h0 does); their values are never read
+    # before a layer's input is written there.
+    slots = lambda n: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), h0)  # noqa: E731
 
     def forward(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
         (h, anchors), (layer, i) = carry, xs
@@ -375,9 +378,9 @@ def _segments(
         slot = jax.tree.map(partial(jnp.where, keep), h, _read(anchors, i // k))
         return (layer_fn(layer, h), _write(anchors, slot, i // k)), None
 
-    init = (h0, zeros(-(-length // k)))
-    (h_last, anchors), _ = lax.scan(forward, init, (stack, jnp.arange(length)))
-    return h_last, _Segments(anchors, zeros(min(k, length)), k, length, layer_fn)
+    init = (h0, slots(-(-length // k)))
+    (h_last, anchors), _ = _named_axes.scan(forward, init, (stack, jnp.arange(length)))
+    return h_last, _Segments(anchors, slots(min(k, length)), k, length, layer_fn)
 
 
 def _backward_update(
@@ -405,7 +408,7 @@ def _backward_update(
 
     length = jax.tree.leaves(stack)[0].shape[0]
     zero = jnp.zeros((), jnp.result_type(float))
-    (stack, stacks, dh, sq, _), _ = lax.scan(
+    (stack, stacks, dh, sq, _), _ = _named_axes.scan(
         body, (stack, stacks, dh, (zero, zero), source.carry), jnp.arange(length), reverse=True
     )
     return stack, stacks, dh, sq

@@ -145,7 +145,11 @@ def scan(
 
 
 def fori_loop(
-    lower: int, upper: int, body: Callable[[Any, PyTree], PyTree], init: PyTree, **kwargs: Any
+    lower: int | jax.Array,
+    upper: int | jax.Array,
+    body: Callable[[Any, PyTree], PyTree],
+    init: PyTree,
+    **kwargs: Any,
 ) -> PyTree:
     """``jax.lax.fori_loop`` whose initial carry varies over every manual axis its body's does."""
     init = stable_carry(lambda c: body(jnp.int32(lower), c), init)
