@@ -163,6 +163,16 @@ class LMConfig:
     batch: int
     vocab_size: int = 256
 
+    def options(self) -> dict[str, int]:
+        """The transformer's options of this size (``models.build("transformer", **...)``)."""
+        return dict(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            max_len=self.seq_len,
+        )
+
     def __str__(self) -> str:
         return (
             f"{self.n_layers} layers, d_model {self.d_model}, {self.n_heads} heads, "
@@ -207,15 +217,7 @@ def _lm_module(config: LMConfig) -> tuple[tf.Transformer, Callable[..., Any]]:
     # One module and one jitted init per size: every benchmark that builds the model (and the
     # transformer, planner and efficiency benchmarks each build it more than once) compiles
     # its init once per process.
-    module = models.build(
-        "transformer",
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        n_heads=config.n_heads,
-        n_layers=config.n_layers,
-        max_len=config.seq_len,
-        remat="none",
-    )
+    module = models.build("transformer", **config.options(), remat="none")
     return module, jax.jit(module.init)
 
 

@@ -426,14 +426,7 @@ def _stack_forms_section(model: wl.LM, tx: optax.GradientTransformation, quick: 
         else wl.LMConfig(n_layers=16, d_model=128, n_heads=4, seq_len=256, batch=8)
     )
     tokens = wl.lm_tokens(config)
-    nested_kw = dict(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        n_heads=config.n_heads,
-        n_layers=config.n_layers,
-        max_len=config.seq_len,
-        remat="full",
-    )
+    nested_kw = dict(config.options(), remat="full")
     forms = {
         label: _three_steps(
             models.build("transformer", **nested_kw, scan_levels=levels), tokens, tx

@@ -89,14 +89,7 @@ def _cnn_strategies(quick: bool) -> list[Strategy]:
 
 
 def _lm_strategies(config: wl.LMConfig) -> list[Strategy]:
-    size = dict(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        n_heads=config.n_heads,
-        n_layers=config.n_layers,
-        max_len=config.seq_len,
-    )
-    build = lambda **kw: models.build("transformer", **size, **kw)  # noqa: E731
+    build = lambda **kw: models.build("transformer", **config.options(), **kw)  # noqa: E731
     return [
         Strategy(NONE, "transformer", "scan_layers, remat none", build(remat="none")),
         Strategy("per-block full", "transformer", "remat full", build(remat="full")),

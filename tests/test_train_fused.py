@@ -68,6 +68,14 @@ def _state_err(got, want) -> float:
     )
 
 
+def _assert_same_run(out, label: str) -> None:
+    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+    err = _state_err(fused, ref)
+    print(f"{label}: params and optimizer state max-scaled rel err {err:.3g}")
+    assert err <= 1e-6
+    assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
+
+
 def test_fused_step_equals_two_phase_step():
     # adamw with a weight-decay mask by path and a warm-up + cosine schedule, each block under a
     # per-name plan, rotary positions. (sgd with momentum, Nesterov and weight decay under the
@@ -114,11 +122,7 @@ def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
             remat=None,
         )
         out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
-    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-    err = _state_err(fused, ref)
-    print(f"reversible (reconstruct={reconstruct}), 10 steps float64: rel err {err:.3g}")
-    assert err <= 1e-6
-    assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
+    _assert_same_run(out, f"reversible (reconstruct={reconstruct}), 10 steps float64")
 
 
 def test_nested_transformer_fused_step_equals_two_phase_step():
@@ -130,11 +134,7 @@ def test_nested_transformer_fused_step_equals_two_phase_step():
         model = _model(dtype=jnp.float64, n_layers=7, scan_levels=2, remat=None)
         assert models.get("transformer").layer_stack(model).save_every == 4
         out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
-    (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-    err = _state_err(fused, ref)
-    print(f"scan_levels=2, 7 blocks, 10 steps float64: rel err {err:.3g}")
-    assert err <= 1e-6
-    assert abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-6 * abs(float(rm["loss"]))
+    _assert_same_run(out, "scan_levels=2, 7 blocks, 10 steps float64")
 
 
 def test_reversible_transformer_fused_step_keeps_no_layer_inputs():
