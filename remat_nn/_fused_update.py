@@ -395,8 +395,9 @@ def _backward_update(
 ) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array]]:
     """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
 
-    Also carries the squared norms of the gradients and of the updates taken so far, and, for a
-    reversible layer, the output of the layer whose input is rebuilt next.
+    Also carries the squared norms of the gradients and of the updates taken so far, and the
+    input source's carry: a reversible layer's output (the next input is rebuilt from it), or
+    the current segment's recomputed inputs (``save_every``).
     """
 
     def body(carry: Any, i: jax.Array) -> Any:
