@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import remat_nn as rn
+from remat_nn.errors import NotInvertibleError
 from tests.gradients import rel_err
 
 
@@ -175,18 +176,27 @@ def _loss(f):
     return lambda *args: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(f(*args)))
 
 
-# 15 programs in the suite (each compiles two gradients); REMAT_NN_FUZZ_EXAMPLES=300 or more for
-# a long run. Every combine form is also run deterministically below.
+# 15 programs in the suite (each compiles two gradients), the same 15 on every run: a random
+# draw made CI fail about once in 30 runs on the known false refusal pinned below. A long run
+# (REMAT_NN_FUZZ_EXAMPLES=300 or more) draws new programs each time. Every combine form is also
+# run deterministically below.
+_LONG_RUN = "REMAT_NN_FUZZ_EXAMPLES" in os.environ
+
+
 @settings(
     max_examples=int(os.environ.get("REMAT_NN_FUZZ_EXAMPLES", "15")),
     deadline=None,
     database=None,
-    derandomize=False,
+    derandomize=not _LONG_RUN,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(spec=programs(), seed=st.integers(0, 2**16))
 def test_random_coupling_programs_match_autodiff(spec, seed):
+    _check_program(spec, seed)
+
+
+def _check_program(spec, seed):
     program = _scanned(spec) if spec["scan"] else _unrolled(spec)
     depth, b, d = len(spec["layers"]), spec["batch"], spec["width"]
     # Drawn with NumPy: an eager jax.random draw compiles a program per shape.
@@ -215,6 +225,40 @@ def test_random_coupling_programs_match_autodiff(spec, seed):
         loop = grad(_scanned(spec, loop=True))
         err, bar = min(err, rel_err(got, loop)), max(bar, rel_err(want, loop))
     assert err <= bar, f"gradient rel err {err:.2e} > {bar:.2e}\n{report}"
+
+
+#: Found by a long run (seed 9581): ordinary magnitudes, refused although the walk's gradient
+#: equals jax.grad's (8.3e-9 with rtol=1e-3). The last layer rebuilds a = log(exp(B) - c) with
+#: the subtraction's error half an ulp of max|exp(B)| = 126 for both elements: relative to
+#: a_1's own exp (0.6) it is large, and the error summary (one absolute and one relative
+#: scalar per value) applies it to a_0 too, where exp is steep (126): the derivative check of
+#: `exp` then sees a 1.3e-5 change against its 1e-5 tolerance. A summary that keeps each
+#: element's error relative to exp(a) (or per-element errors for a derivative taken at the
+#: step that rebuilt its operand) would pass it.
+_STEEP_EXP_BESIDE_A_FLAT_ONE = {
+    "batch": 1,
+    "width": 2,
+    "layers": [
+        ("affine", "bf16", "checkpoint", False),
+        ("add", "bf16", "checkpoint", False),
+        ("flip", "bf16", "checkpoint", False),
+        ("add", "bf16", "checkpoint", False),
+        ("add", "sin", "checkpoint", False),
+        ("add", "sin", "checkpoint", False),
+        ("logexp", "sin", "checkpoint", False),
+    ],
+    "scan": False,
+    "order": [0] * 21,
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(NotInvertibleError, jax.errors.JaxRuntimeError),
+    reason="a false refusal: the two-scalar error summary (#29 notes)",
+)
+def test_a_steep_exp_beside_a_flat_one_is_not_refused():
+    _check_program(_STEEP_EXP_BESIDE_A_FLAT_ONE, 9581)
 
 
 def test_a_bfloat16_scan_body_matches_autodiff_of_its_loop():
