@@ -34,8 +34,9 @@ __all__ = ["FusedUpdateError", "fused_update_step"]
 
 # Transformations whose update of a leaf reads the whole gradient; each with the alternative.
 _WHOLE_GRADIENT = {
-    "clip_by_global_norm": "clip each layer separately with optax.clip_by_block_rms or "
-    "optax.clip (element-wise), or use the two-phase step (jax.grad, then tx.update)",
+    "clip_by_global_norm": "pass the optimizer without it and clip_norm= to the fused step (a "
+    "second backward pass computes the global norm first), or clip each layer separately with "
+    "optax.clip_by_block_rms or optax.clip (element-wise)",
     "MultiSteps": "gradient accumulation keeps a full gradient buffer, which is what the fused "
     "step removes: use the two-phase step with optax.MultiSteps",
     "scale_by_trust_ratio": "the trust ratio is a norm over the whole stacked leaf: use the "
@@ -65,6 +66,7 @@ def fused_update_step(
     inverse_fn: Callable[[Any, Any], Any] | None = None,
     backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None,
     save_every: int | None = None,
+    clip_norm: float | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -111,6 +113,13 @@ def fused_update_step(
         inputs from the segment's saved one (one more forward pass of the stack in all). Layer
         inputs held: ``ceil(L / k) + k`` instead of ``L`` (``k ~ sqrt(L)``: the two-level
         nesting of :func:`remat_nn.remat_scan`). ``None``: every layer's input is saved.
+      clip_norm: clip the gradient by its global norm before the optimizer, as
+        ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)`` does (pass
+        ``optimizer`` without the clip). The norm is known only once every layer's gradient is,
+        so a first backward pass computes it (nothing stored but the running sum, as in LOMO),
+        and the second scales each layer's gradient before its update: one more backward pass
+        (with its recomputation), no gradient stack. The returned ``grad_norm`` is the norm
+        before clipping.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -146,6 +155,15 @@ def fused_update_step(
             f"fused_update_step: save_every must be a positive int (save every k-th layer's "
             f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
         )
+    if clip_norm is not None and (
+        isinstance(clip_norm, bool)
+        or not isinstance(clip_norm, int | float)
+        or not 0 < clip_norm < float("inf")
+    ):
+        raise ValueError(
+            f"fused_update_step: clip_norm must be a positive finite number (the largest global "
+            f"gradient norm), got {clip_norm!r}. Fix: clip_norm=1.0, or None not to clip."
+        )
     if save_every is not None and rebuilds:
         raise ValueError(
             "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
@@ -180,19 +198,25 @@ def fused_update_step(
             out, head_vjp = jax.vjp(lambda r, h: head_fn(r, h, batch), rest, h_last)
             aux = None
         g_rest, dh = head_vjp(jnp.ones_like(out))
+        clip = None
+        if clip_norm is not None:  # the first backward pass: the global norm only
+            g_norm = _gradient_norm(layer_fn, stack, source, dh, embed_vjp, g_rest)
+            clip = partial(_clipped, g_norm=g_norm, max_norm=clip_norm)
         stacks = _stack_halves(split, layout)
         stack, stacks, dh, sq = _backward_update(
-            layer_fn, optimizer, split, layout, stack, stacks, source, dh
+            layer_fn, optimizer, split, layout, stack, stacks, source, dh, clip
         )
         (g_embed,) = embed_vjp(dh)
         g_rest = jax.tree.map(jnp.add, g_rest, g_embed)
+        g_rest = g_rest if clip is None else clip(g_rest)
         rest, opt_state, sq_rest = _update_rest(optimizer, split, layout, stacks, rest, g_rest)
         value = (out, aux) if has_aux else out
         new = (layout.join(stack, rest), opt_state, value)
         if not norms:
             return new
         sq = jax.tree.map(jnp.add, sq, sq_rest)
-        return (*new, {"grad_norm": jnp.sqrt(sq[0]), "update_norm": jnp.sqrt(sq[1])})
+        grad_norm = jnp.sqrt(sq[0]) if clip_norm is None else g_norm
+        return (*new, {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])})
 
     return step
 
@@ -392,6 +416,7 @@ def _backward_update(
     stacks: list[Any],
     source: _Inputs,
     dh: Any,
+    clip: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array]]:
     """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
 
@@ -404,6 +429,7 @@ def _backward_update(
         stack, stacks, dh, sq, y = carry
         layer = _read(stack, i)
         grad, dh, y = source.vjp(layer_fn, stack, layer, y, dh, i)
+        grad = grad if clip is None else clip(grad)
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
@@ -413,6 +439,40 @@ def _backward_update(
         body, (stack, stacks, dh, (zero, zero), source.carry), jnp.arange(length), reverse=True
     )
     return stack, stacks, dh, sq
+
+
+def _gradient_norm(
+    layer_fn: Callable[[Any, Any], Any],
+    stack: Any,
+    source: _Inputs,
+    dh: Any,
+    embed_vjp: Callable[[Any], Any],
+    g_head: Any,
+) -> jax.Array:
+    """The global norm of the whole gradient, from a backward pass that keeps only its sum of
+    squares (layer by layer, then the embedding's and head's parameters, summed per leaf first:
+    a leaf both use, e.g. tied embeddings, counts once)."""
+
+    def body(carry: Any, i: jax.Array) -> Any:
+        dh, sq, y = carry
+        grad, dh, y = source.vjp(layer_fn, stack, _read(stack, i), y, dh, i)
+        return (dh, sq + _squared_norm(grad), y), None
+
+    length = jax.tree.leaves(stack)[0].shape[0]
+    zero = jnp.zeros((), jnp.result_type(float))
+    (dh, sq, _), _ = _named_axes.scan(
+        body, (dh, zero, source.carry), jnp.arange(length), reverse=True
+    )
+    (g_embed,) = embed_vjp(dh)
+    return jnp.sqrt(sq + _squared_norm(jax.tree.map(jnp.add, g_head, g_embed)))
+
+
+def _clipped(tree: Any, *, g_norm: jax.Array, max_norm: float) -> Any:
+    """``optax.clip_by_global_norm``'s scaling of ``tree`` for the global norm ``g_norm``."""
+    trigger = g_norm < max_norm
+    return jax.tree.map(
+        lambda t: lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), tree
+    )
 
 
 def _update_slice(

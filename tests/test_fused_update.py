@@ -408,3 +408,48 @@ def test_under_vmap_equals_each_model_on_its_own():
         err = float(rn.relative_error(jax.tree.map(lambda a, i=i: a[i], got), want))
         print(f"model {i}: vmapped vs alone, 3 steps: rel err {err:.3g}")
         assert err <= 1e-6
+
+
+# --- clip_norm: the global-norm clip by a second backward pass ------------------------------------
+
+
+@pytest.mark.parametrize("form", ["saved", "save_every", "backward_fn"])
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping active (norms 0.6-6), inactive
+def test_clip_norm_equals_clip_by_global_norm_in_the_two_phase_step(max_norm, form):
+    with jax.enable_x64(True):
+        tx = optax.adam(1e-2)
+        clipped = optax.chain(optax.clip_by_global_norm(max_norm), tx)
+        if form == "backward_fn":
+            fns, (params, x) = (split_embed, coupling, merged_head), make_reversible(jnp.float64)
+            loss, kw = reversible_loss, {"backward_fn": coupling_backward}
+        else:
+            fns, (params, x) = (embed, layer, head), make(jnp.float64)
+            loss, kw = loss_fn, ({"save_every": 4} if form == "save_every" else {})
+        fused = jax.jit(rn.fused_update_step(*fns, tx, clip_norm=max_norm, norms=True, **kw))
+
+        @jax.jit
+        def two_phase_clipped(params, opt_state, x):
+            _, grads = jax.value_and_grad(loss)(params, x)
+            updates, opt_state = clipped.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+        (p1, s1), (p2, s2) = (params, tx.init(params)), (params, clipped.init(params))
+        norms_seen = []
+        for _ in range(10):
+            p1, s1, _, norms = fused(p1, s1, x)
+            p2, s2, g_norm = two_phase_clipped(p2, s2, x)
+            norms_seen.append(float(g_norm))
+            assert abs(float(norms["grad_norm"]) - float(g_norm)) <= 1e-6 * float(g_norm)
+        err = float(rn.relative_error((p1, s1), (p2, s2[1])))  # s2: (clip's empty state, adam's)
+    print(
+        f"clip_norm={max_norm}, {form}: gradient norms {min(norms_seen):.3g}-"
+        f"{max(norms_seen):.3g}; 10 float64 steps, rel err {err:.3g}"
+    )
+    assert err <= 1e-6
+    assert (max(norms_seen) > max_norm) == (max_norm < 1)  # the clip acts when it should
+
+
+def test_clip_norm_bad_values_are_refused():
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="clip_norm must be a positive finite number"):
+            rn.fused_update_step(embed, layer, head, optax.sgd(1e-2), clip_norm=bad)
