@@ -43,8 +43,12 @@ def _steps(model, optim: Optim, *, compute_dtype=jnp.float32, state_dtype=jnp.fl
     )
     spec = models.get("transformer")
     steps = {
-        "fused": fused_lib.make_fused_train_step(
-            spec.layer_stack(model), tx, schedule, compute_dtype=compute_dtype
+        "fused": fused_lib.make_fused_train_step(  # the clip (optim.clip_norm) is its own
+            spec.layer_stack(model),
+            state_lib.make_optimizer(optim, 10, clip=False)[0],
+            schedule,
+            compute_dtype=compute_dtype,
+            clip_norm=optim.clip_norm,
         ),
         "two_phase": state_lib.make_train_step(
             model, tx, schedule, compute_dtype=compute_dtype, has_batch_stats=False
@@ -123,6 +127,21 @@ def test_reversible_transformer_fused_step_equals_two_phase_step(reconstruct):
         )
         out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
     _assert_same_run(out, f"reversible (reconstruct={reconstruct}), 10 steps float64")
+
+
+def test_clip_norm_fused_step_equals_two_phase_step():
+    # optim.clip_norm: the two-phase step chains optax.clip_by_global_norm; the fused step runs
+    # the optimizer without it (optax.identity in its place: the same state) and clips by the
+    # global norm from a first backward pass. A bound the gradients exceed, so the clip acts.
+    optim = Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1, clip_norm=0.1)
+    with jax.enable_x64(True):
+        model = _model(dtype=jnp.float64)
+        out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
+    assert float(out["two_phase"][1]["grad_norm"]) > 0.1  # clipped
+    assert float(out["fused"][1]["grad_norm"]) == pytest.approx(
+        float(out["two_phase"][1]["grad_norm"]), rel=1e-6
+    )
+    _assert_same_run(out, "clip_norm=0.1, 10 steps float64")
 
 
 def test_nested_transformer_fused_step_equals_two_phase_step():
@@ -244,7 +263,6 @@ def test_dry_run_reports_the_fused_steps_memory(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["optim.clip_norm=1.0"], "optim.clip_norm=1.0 clips by the norm of the whole gradient"),
         (["train.grad_accum=2"], "train.grad_accum=2 sums a full gradient"),
         (["train.on_nonfinite=skip"], "train.on_nonfinite=skip would undo an update"),
         (["model.options.scan_layers=false"], "scan_layers=false"),

@@ -200,7 +200,8 @@ def _train_step_fn(
 ) -> Callable[..., Any]:
     # The train step before jit: with train.update_in_backward the same state, updated layer by
     # layer in the backward.
-    if cfg.train.update_in_backward:
+    if cfg.train.update_in_backward:  # the optimizer without the clip: the fused step clips
+        tx = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg), clip=False)[0]
         return fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
     return state_lib.make_train_step(
         model,

@@ -31,11 +31,6 @@ _OPTION = "train.update_in_backward=true"
 def refusal(cfg: Config, spec: models.ModelSpec, model: Any) -> str | None:
     """Why ``cfg`` cannot update inside the backward (None: it can), naming the options."""
     why = []
-    if cfg.optim.clip_norm is not None:
-        why.append(
-            f"optim.clip_norm={cfg.optim.clip_norm} clips by the norm of the whole gradient, "
-            "known only after the last layer's update (drop it, or use the two-phase step)"
-        )
     if cfg.train.grad_accum > 1:
         why.append(
             f"train.grad_accum={cfg.train.grad_accum} sums a full gradient over micro-batches, "
@@ -71,13 +66,22 @@ def train_step(
     compute_dtype: Any,
     loss: losses_lib.LossFn,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """The run's fused step, or :class:`SetupError` with every reason it cannot be used."""
+    """The run's fused step, or :class:`SetupError` with every reason it cannot be used.
+
+    ``tx`` is the optimizer without ``optim.clip_norm``'s clip (``make_optimizer(...,
+    clip=False)``): the fused step clips by the global norm itself, by a second backward pass.
+    """
     why = refusal(cfg, spec, model)
     if why is not None:
         raise SetupError(why)
     assert spec.layer_stack is not None  # refusal() checked it
     return make_fused_train_step(
-        spec.layer_stack(model), tx, schedule, compute_dtype=compute_dtype, loss=loss
+        spec.layer_stack(model),
+        tx,
+        schedule,
+        compute_dtype=compute_dtype,
+        loss=loss,
+        clip_norm=cfg.optim.clip_norm,
     )
 
 
@@ -95,6 +99,7 @@ def make_fused_train_step(
     *,
     compute_dtype: Any,
     loss: losses_lib.LossFn = losses_lib.cross_entropy,
+    clip_norm: float | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """``step(state, batch) -> (new_state, metrics)`` like :func:`train.state.make_train_step`.
 
@@ -137,6 +142,7 @@ def make_fused_train_step(
         norms=True,
         backward_fn=None if parts.backward is None else backward,
         save_every=parts.save_every,
+        clip_norm=clip_norm,
     )
 
     def step(state: TrainState, batch: dict[str, jax.Array]):

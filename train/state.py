@@ -99,13 +99,16 @@ def decay_summary(params: Any, exclude: Sequence[str]) -> str:
 
 
 def make_optimizer(
-    cfg: Optim, total_steps: int
+    cfg: Optim, total_steps: int, *, clip: bool = True
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation of ``cfg`` and its learning-rate schedule.
 
     Args:
       cfg: the ``optim`` config section.
       total_steps: the steps the schedule spans (``optim.schedule_steps``, else ``train.steps``).
+      clip: with ``optim.clip_norm``, include the global-norm clip; False: ``optax.identity``
+        in its place (the fused step clips by itself; both hold an empty state, so the
+        optimizer state has the same structure either way and checkpoints move between them).
 
     >>> from train.config import Optim
     >>> tx, lr = make_optimizer(Optim(lr=0.1, warmup_steps=10, schedule="cosine"), 100)
@@ -131,7 +134,7 @@ def make_optimizer(
     mask = (lambda params: decay_mask(params, exclude)) if exclude else None
     parts = []
     if cfg.clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm) if clip else optax.identity())
     if cfg.name == "sgd":
         if cfg.weight_decay:
             parts.append(optax.add_decayed_weights(cfg.weight_decay, mask))

@@ -317,9 +317,9 @@ class Train(_Section):
         False,
         description="apply the optimizer to each block's parameters inside the backward pass, as "
         "soon as its gradient is known, so the full gradient never exists (rn.fused_update_step; "
-        "the scanned or reversible transformer; no optim.clip_norm, train.grad_accum, "
-        "on_nonfinite=skip or dropout); the same state as the two-phase step, so either "
-        "resumes the other",
+        "the scanned, nested or reversible transformer; optim.clip_norm costs a second backward "
+        "pass; no train.grad_accum, on_nonfinite=skip or dropout); the same state as the "
+        "two-phase step, so either resumes the other",
     )
     progress: Literal["auto", "on", "off"] = safe_field(
         "auto", description="tqdm progress bar (auto: only on a TTY)"
