@@ -10,6 +10,7 @@ One donated step is also run, to check that the old state's buffers were consume
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,6 +60,7 @@ def run(quick: bool = False) -> Result:
     }
     # Before the donated run below consumes model.params.
     fused_lines, fused_targets = _fused_section(model, tx, mems["not donated"], quick)
+    fused_lines += _clip_section(model, tx, quick)
     fused_lines += _stack_forms_section(model, tx, quick)
     # Run the donated step once: the old state's buffers must be consumed.
     leaves = jax.tree.leaves(state)
@@ -229,7 +231,7 @@ def _peak_section(peaks: dict[str, rn.PeakReport], temp_rise: int) -> list[str]:
     ]
 
 
-def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation, plan: Any) -> Any:
+def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation, plan: Any, **kw: Any) -> Any:
     """The scanned transformer as ``rn.fused_update_step`` takes it, each block under ``plan``.
 
     The model's own parts (``models.transformer.layer_stack``), the parameters as they are
@@ -246,7 +248,7 @@ def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation, plan: Any) ->
         logp = jax.nn.log_softmax(parts.head(rest, x))  # (B, T, V)
         return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
-    return rn.fused_update_step(embed, parts.layer, head, tx, stack_key=parts.key)
+    return rn.fused_update_step(embed, parts.layer, head, tx, stack_key=parts.key, **kw)
 
 
 def _fused_section(
@@ -461,4 +463,51 @@ def _stack_forms_section(model: wl.LM, tx: optax.GradientTransformation, quick: 
         "**scan_levels: 2**",
         "",
         *forms["nested"][1],
+    ]
+
+
+def _clip_section(model: wl.LM, tx: optax.GradientTransformation, quick: bool) -> list[str]:
+    """What ``clip_norm=`` costs the fused step: its second backward pass, timed and measured."""
+    from models import transformer as tf
+
+    plan, donate = tf.remat_plan("full"), {"donate_argnums": (0, 1)}
+    state = (model.params, tx.init(model.params))
+    steps = {
+        label: wl.compile_step(
+            _lm_fused_step(model, tx, plan, **kw), *state, model.tokens, **donate
+        )
+        for label, kw in (("fused", {}), ("fused, clip_norm=1.0", {"clip_norm": 1.0}))
+    }
+    cells = {label: [jax.tree.map(jnp.copy, state)] for label in steps}
+
+    def runner(label: str) -> Callable[[], Any]:
+        def run() -> Any:
+            p, s, _ = steps[label][0](*cells[label][0], model.tokens)
+            cells[label][0] = (p, s)
+            return jax.block_until_ready(p)
+
+        return run
+
+    timed = paired(
+        {label: runner(label) for label in steps}, itself="fused", rounds=1 if quick else 9
+    )
+    mem = {label: m for label, (_, m) in steps.items()}
+    return [
+        "",
+        "### The global-norm clip (`clip_norm=`)",
+        "",
+        "The fused step above with `clip_norm=1.0` (adamw without the clip: the norm of the "
+        "whole gradient comes from a first backward pass that keeps only its running sum, then "
+        "the fused pass scales each layer's gradient):",
+        "",
+        "| jit | temp | peak |",
+        "|---|--:|--:|",
+        *(
+            f"| {label}, donated | {format_bytes(m.temp_size_in_bytes)} | "
+            f"{format_bytes(m.peak_bytes)} |"
+            for label, m in mem.items()
+        ),
+        "",
+        f"Step time with the clip / without: {timed.ratio('fused, clip_norm=1.0', 'fused'):.3f} "
+        f"({timed.noise_text()}).",
     ]
