@@ -142,33 +142,7 @@ def fused_update_step(
     >>> params[0].shape
     (3, 4, 4)
     """
-    if inverse_fn is not None and backward_fn is not None:
-        raise ValueError(
-            "fused_update_step: pass inverse_fn or backward_fn, not both (backward_fn is the "
-            "inverse fused with the layer's VJP). Fix: drop inverse_fn."
-        )
-    rebuilds = inverse_fn is not None or backward_fn is not None
-    if save_every is not None and (
-        isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
-    ):
-        raise ValueError(
-            f"fused_update_step: save_every must be a positive int (save every k-th layer's "
-            f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
-        )
-    if clip_norm is not None and (
-        isinstance(clip_norm, bool)
-        or not isinstance(clip_norm, int | float)
-        or not 0 < clip_norm < float("inf")
-    ):
-        raise ValueError(
-            f"fused_update_step: clip_norm must be a positive finite number (the largest global "
-            f"gradient norm), got {clip_norm!r}. Fix: clip_norm=1.0, or None not to clip."
-        )
-    if save_every is not None and rebuilds:
-        raise ValueError(
-            "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
-            "rebuilds its inputs and saves none. Fix: drop save_every."
-        )
+    rebuilds = _check_options(inverse_fn, backward_fn, save_every, clip_norm)
     layout = _Layout(stack_key)
     checked: list[bool] = []
 
@@ -219,6 +193,39 @@ def fused_update_step(
         return (*new, {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])})
 
     return step
+
+
+def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm: Any) -> bool:
+    """Refuses bad or clashing options of :func:`fused_update_step`, naming the fix; whether
+    the stack rebuilds its inputs (``inverse_fn`` or ``backward_fn``)."""
+    if inverse_fn is not None and backward_fn is not None:
+        raise ValueError(
+            "fused_update_step: pass inverse_fn or backward_fn, not both (backward_fn is the "
+            "inverse fused with the layer's VJP). Fix: drop inverse_fn."
+        )
+    rebuilds = inverse_fn is not None or backward_fn is not None
+    if save_every is not None and (
+        isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
+    ):
+        raise ValueError(
+            f"fused_update_step: save_every must be a positive int (save every k-th layer's "
+            f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
+        )
+    if clip_norm is not None and (
+        isinstance(clip_norm, bool)
+        or not isinstance(clip_norm, int | float)
+        or not 0 < clip_norm < float("inf")
+    ):
+        raise ValueError(
+            f"fused_update_step: clip_norm must be a positive finite number (the largest global "
+            f"gradient norm), got {clip_norm!r}. Fix: clip_norm=1.0, or None not to clip."
+        )
+    if save_every is not None and rebuilds:
+        raise ValueError(
+            "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
+            "rebuilds its inputs and saves none. Fix: drop save_every."
+        )
+    return rebuilds
 
 
 class _Layout:
