@@ -652,19 +652,9 @@ def _reversible_layer_stack(
     coupling = rnn.AdditiveCoupling(
         Attention(o.n_heads, o.position == "rotary", 0.0, o.dtype), MLP(o.d_ff, 0.0, o.dtype)
     )
-
-    def branch(method: str) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]:
-        def fn(params: Any, consts: Any, x: jax.Array) -> tuple[jax.Array, Any]:
-            return coupling.apply({"params": params}, x, method=method, train=True), consts
-
-        return fn
-
+    compute_dtype = None if o.recon_dtype is None else o.dtype
+    block = rnn.coupling_layer(coupling, compute_dtype=compute_dtype, train=True)
     stream = o.dtype if o.recon_dtype is None else o.recon_dtype
-    block = rn.coupling_block(
-        branch("apply_f"),
-        branch("apply_g"),
-        compute_dtype=None if o.recon_dtype is None else o.dtype,
-    )
 
     def embed_pair(rest: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = embed(rest, tokens).astype(stream)

@@ -578,3 +578,28 @@ def test_a_branch_that_changes_the_shape_is_named_with_the_fix(coupling, f_width
     stack = nn.ReversibleSequence(coupling(fnn.Dense(f_width), fnn.Dense(f_width)), depth=2)
     with pytest.raises(ValueError, match=want):
         stack.init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_coupling_layer_runs_one_layer_as_the_sequence_does():
+    # nn.coupling_layer: a ReversibleSequence's layer for a caller that scans the layers itself.
+    # A scan of it over the sequence's stacked parameters gives the sequence's output bit for
+    # bit; its inverse and its fused backward give the input back and plain autodiff's VJP.
+    dense = lambda: fnn.Dense(4, kernel_init=fnn.initializers.normal(0.3))  # noqa: E731
+    coupling = nn.AdditiveCoupling(dense(), dense())
+    x = (jnp.linspace(-1.0, 1.0, 8).reshape(2, 4), jnp.linspace(0.5, -0.5, 8).reshape(2, 4))
+    seq = nn.ReversibleSequence(coupling, depth=3)
+    params = seq.init(jax.random.key(0), x)["params"]["layers"]
+    layer = nn.coupling_layer(coupling)
+    y, _ = jax.lax.scan(lambda h, p: (layer.forward(p, None, h)[0], None), x, params)
+    want = seq.apply({"params": {"layers": params}}, x)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(y, want, strict=True))
+    p0 = jax.tree.map(lambda a: a[0], params)
+    y0 = layer.forward(p0, None, x)[0]
+    assert rel_err(layer.inverse(p0, None, y0), x) <= 1e-6
+    dy = (jnp.ones((2, 4)), -jnp.ones((2, 4)))
+    h, dp, dx = layer.backward(p0, None, y0, dy)
+    want_dp, want_dx = jax.vjp(lambda p, h: layer.forward(p, None, h)[0], p0, x)[1](dy)
+    assert rel_err(h, x) <= 1e-6
+    assert rel_err((dp, dx), (want_dp, want_dx)) <= 1e-6
+    with pytest.raises(TypeError, match="must be a coupling module"):
+        nn.coupling_layer(dense())

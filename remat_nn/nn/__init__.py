@@ -19,7 +19,7 @@ from remat_nn.nn._tied import tied_remat
 # --- reversible couplings and sequences -----------------------------------------------------------
 from remat_nn._halves import merge_halves, split_halves
 from remat_nn.nn._coupling import AdditiveCoupling, AffineCoupling, Coupling
-from remat_nn.nn._reversible import ReversibleSequence
+from remat_nn.nn._reversible import ReversibleSequence, coupling_layer
 
 # --- blocks ---------------------------------------------------------------------------------------
 from remat_nn.nn._blocks import RematBlock
@@ -35,6 +35,7 @@ __all__: list[str] = [
     "AffineCoupling",
     "Coupling",
     "ReversibleSequence",
+    "coupling_layer",
     "merge_halves",
     "split_halves",
 ]

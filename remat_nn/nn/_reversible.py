@@ -38,7 +38,7 @@ from remat_nn._reversible import (
 )
 from remat_nn.nn._coupling import Coupling
 
-__all__ = ["ReversibleSequence"]
+__all__ = ["ReversibleSequence", "coupling_layer"]
 
 _VARIABLE = "layers"
 
@@ -84,6 +84,38 @@ def _block(
     forward = _residual(template, "forward", kwargs, state_cols)
     inverse = _residual(template, "inverse", kwargs, state_cols)
     return ReversibleBlock(forward, lambda p, c, y: inverse(p, c, y)[0])
+
+
+def coupling_layer(
+    coupling: Coupling, *, compute_dtype: Any = None, **kwargs: Any
+) -> ReversibleBlock:
+    """One layer of a :class:`ReversibleSequence` of ``coupling``, as the sequence runs it.
+
+    For a caller that scans the layers itself (e.g. :func:`remat_nn.fused_update_step`'s
+    ``backward_fn``): ``forward`` / ``inverse`` / the fused ``backward`` over one layer's
+    parameters, with F and G computing in ``compute_dtype`` (None: the stream's dtype). The
+    ``consts`` arguments are ignored: no per-layer state (BatchNorm) or random numbers.
+
+    Args:
+      coupling: the layer, an :class:`AdditiveCoupling` / :class:`AffineCoupling`.
+      compute_dtype: the dtype F and G receive their inputs in (the sequence's, under
+        ``recon_dtype``: the input's dtype).
+      **kwargs: static keyword arguments for F and G (e.g. ``train=True``).
+    """
+    if not isinstance(coupling, Coupling):
+        raise TypeError(
+            f"coupling_layer: `coupling` must be a coupling module, got "
+            f"{type(coupling).__name__}. Fix: nn.AdditiveCoupling(F(), G())."
+        )
+    block = _block(coupling.copy(parent=None), kwargs, [], compute_dtype)
+    consts = {"state": {}, "rngs": {}}
+    backward = block.backward
+    assert backward is not None  # a coupling's block has its fused backward
+    return ReversibleBlock(
+        lambda p, _, x: block.forward(p, consts, x),
+        lambda p, _, y: block.inverse(p, consts, y),
+        lambda p, _, y, dy: backward(p, consts, y, dy),
+    )
 
 
 class ReversibleSequence(fnn.Module):
