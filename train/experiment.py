@@ -116,7 +116,9 @@ def build_experiment(
     data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
     batch_sh = sharding_lib.batch_sharding(mesh)
     repl = sharding_lib.replicated(mesh)
-    tx, schedule = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg))
+    # The fused step clips by the global norm itself: its optimizer has no clip (the same state).
+    clip = not cfg.train.update_in_backward
+    tx, schedule = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg), clip=clip)
     example = dataset.example_batch(1)
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
     plan_file = choice = None
@@ -200,8 +202,7 @@ def _train_step_fn(
 ) -> Callable[..., Any]:
     # The train step before jit: with train.update_in_backward the same state, updated layer by
     # layer in the backward.
-    if cfg.train.update_in_backward:  # the optimizer without the clip: the fused step clips
-        tx = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg), clip=False)[0]
+    if cfg.train.update_in_backward:
         return fused_lib.train_step(cfg, spec, model, tx, schedule, compute_dtype, loss)
     return state_lib.make_train_step(
         model,
