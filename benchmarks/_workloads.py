@@ -185,6 +185,13 @@ LM_FULL = LMConfig(n_layers=4, d_model=256, n_heads=4, seq_len=256, batch=8)
 LM_QUICK = LMConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, batch=2)
 
 
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits`` (B, T, V), computed from ``tokens[:, :-1]``, against
+    the next tokens ``tokens[:, 1:]``."""
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
 @dataclass
 class LM:
     """The transformer with a loss that takes its remat plan as ``policy=``."""
@@ -203,9 +210,7 @@ class LM:
         if isinstance(policy, str):
             policy = tf.remat_plan(policy)  # preset name; "none" -> None
         module = self.module.clone(remat=policy)
-        logits = module.apply({"params": params}, tokens[:, :-1])  # (B, T-1, V)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return next_token_loss(module.apply({"params": params}, tokens[:, :-1]), tokens)
 
     def grad_step(self, policy: Any) -> Callable[[Any, jax.Array], Any]:
         """``(params, tokens) -> grads`` under ``policy``."""

@@ -10,6 +10,7 @@ One donated step is also run, to check that the old state's buffers were consume
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +34,7 @@ def run(quick: bool = False) -> Result:
     tx = optax.adamw(1e-3, weight_decay=0.1)
     state = (model.params, tx.init(model.params))
 
-    def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(model.loss)(params, tokens, policy="full")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
+    train_step = _two_phase(functools.partial(model.loss, policy="full"), tx)
     state_bytes = wl.tree_bytes(state)
     params_bytes, opt_bytes = wl.tree_bytes(state[0]), wl.tree_bytes(state[1])
     mems = {}
@@ -231,24 +227,54 @@ def _peak_section(peaks: dict[str, rn.PeakReport], temp_rise: int) -> list[str]:
     ]
 
 
-def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation, plan: Any, **kw: Any) -> Any:
-    """The scanned transformer as ``rn.fused_update_step`` takes it, each block under ``plan``.
+def _two_phase(
+    loss: Callable[[Any, jax.Array], jax.Array], tx: optax.GradientTransformation
+) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
+    """The two-phase step of ``loss``: ``(params, opt_state), tokens -> (new state, loss)``."""
 
-    The model's own parts (``models.transformer.layer_stack``), the parameters as they are
-    (``stack_key="blocks"``).
-    """
+    def step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    return step
+
+
+def _fused_step(module: Any, tx: optax.GradientTransformation, **kw: Any) -> Any:
+    """The transformer ``module`` as ``rn.fused_update_step`` takes it, as the trainer's
+    ``train.update_in_backward`` builds it: its own parts (``models.transformer.layer_stack``,
+    with a reversible stack's fused backward and a nested one's ``save_every``), the parameters
+    as they are (``stack_key="blocks"``)."""
     from models import transformer as tf  # the benchmark's model, as the workloads build it
 
-    parts = tf.layer_stack(model.module.clone(remat=plan))
+    parts = tf.layer_stack(module)
+    return rn.fused_update_step(
+        lambda rest, tokens: parts.embed(rest, tokens[:, :-1]),  # (B, T, D)
+        parts.layer,
+        lambda rest, h, tokens: wl.next_token_loss(parts.head(rest, h), tokens),
+        tx,
+        stack_key=parts.key,
+        backward_fn=parts.backward,
+        save_every=parts.save_every,
+        **kw,
+    )
 
-    def embed(rest: Any, tokens: jax.Array) -> jax.Array:
-        return parts.embed(rest, tokens[:, :-1])  # (B, T, D)
 
-    def head(rest: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
-        logp = jax.nn.log_softmax(parts.head(rest, x))  # (B, T, V)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+def _lm_fused_step(model: wl.LM, tx: optax.GradientTransformation, plan: Any, **kw: Any) -> Any:
+    """The benchmark transformer's fused step, each block under ``plan``."""
+    return _fused_step(model.module.clone(remat=plan), tx, **kw)
 
-    return rn.fused_update_step(embed, parts.layer, head, tx, stack_key=parts.key, **kw)
+
+def _runner(advance: Callable[[Any], Any], state: Any) -> Callable[[], Any]:
+    """A timed call: ``advance`` one step from a private copy of ``state``, kept for the next."""
+    cell = [jax.tree.map(jnp.copy, state)]
+
+    def run() -> Any:
+        cell[0] = advance(cell[0])
+        return jax.block_until_ready(cell[0])
+
+    return run
 
 
 def _fused_section(
@@ -279,28 +305,12 @@ def _fused_section(
     peak = rn.explain_peak(step, params, opt_state, model.tokens, jit_kwargs=donate)
     grad_bytes = sum(b.nbytes for b in peak.buffers if b.category == "gradient")
 
-    def two_phase(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-        p, s = state
-        value, grads = jax.value_and_grad(model.loss)(p, tokens, policy="full")
-        updates, s = tx.update(grads, s, p)
-        return (optax.apply_updates(p, updates), s), value
-
-    two = jax.jit(two_phase, donate_argnums=0)
-    cells = {"fused": [(params, opt_state)], "two-phase": [(model.params, tx.init(model.params))]}
-    cells = {k: [jax.tree.map(jnp.copy, v[0])] for k, v in cells.items()}
-
-    def run_fused() -> Any:
-        p, s, _ = compiled(*cells["fused"][0], model.tokens)
-        cells["fused"][0] = (p, s)
-        return jax.block_until_ready(p)
-
-    def run_two() -> Any:
-        cells["two-phase"][0], _ = two(cells["two-phase"][0], model.tokens)
-        return jax.block_until_ready(cells["two-phase"][0])
-
-    timed = paired(
-        {"two-phase": run_two, "fused": run_fused}, itself="two-phase", rounds=1 if quick else 9
-    )
+    two = jax.jit(_two_phase(functools.partial(model.loss, policy="full"), tx), donate_argnums=0)
+    runs = {
+        "two-phase": _runner(lambda st: two(st, model.tokens)[0], (params, opt_state)),
+        "fused": _runner(lambda st: compiled(*st, model.tokens)[:2], (params, opt_state)),
+    }
+    timed = paired(runs, itself="two-phase", rounds=1 if quick else 9)
     ratio = timed.ratio("fused", "two-phase")
     lines = [
         "## The optimizer update inside the backward (`rn.fused_update_step`)",
@@ -365,36 +375,15 @@ def _three_steps(
     The fused step is ``models.transformer.layer_stack(module)`` as the trainer's
     ``train.update_in_backward`` builds it (a reversible stack's fused backward, ``save_every``).
     """
-    from models import transformer as tf
 
     params = jax.jit(module.init)(jax.random.key(0), tokens[:, :-1])["params"]
     state = (params, tx.init(params))
 
-    def loss(p: Any, tokens: jax.Array) -> jax.Array:
-        logp = jax.nn.log_softmax(module.apply({"params": p}, tokens[:, :-1]))  # (B, T, V)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-    def two_phase(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-        p, s = state
-        value, grads = jax.value_and_grad(loss)(p, tokens)
-        updates, s = tx.update(grads, s, p)
-        return (optax.apply_updates(p, updates), s), value
-
-    parts = tf.layer_stack(module)
-
-    def head(rest: Any, h: Any, tokens: jax.Array) -> jax.Array:
-        logp = jax.nn.log_softmax(parts.head(rest, h))  # (B, T, V)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-    fused = rn.fused_update_step(
-        lambda rest, tokens: parts.embed(rest, tokens[:, :-1]),
-        parts.layer,
-        head,
+    two_phase = _two_phase(
+        lambda p, tokens: wl.next_token_loss(module.apply({"params": p}, tokens[:, :-1]), tokens),
         tx,
-        stack_key=parts.key,
-        backward_fn=parts.backward,
-        save_every=parts.save_every,
     )
+    fused = _fused_step(module, tx)
     mems = {
         "two-phase, not donated": wl.compile_step(two_phase, state, tokens)[1],
         "two-phase, donate_argnums=0": wl.compile_step(two_phase, state, tokens, donate_argnums=0)[
@@ -478,19 +467,11 @@ def _clip_section(model: wl.LM, tx: optax.GradientTransformation, quick: bool) -
         )
         for label, kw in (("fused", {}), ("fused, clip_norm=1.0", {"clip_norm": 1.0}))
     }
-    cells = {label: [jax.tree.map(jnp.copy, state)] for label in steps}
-
-    def runner(label: str) -> Callable[[], Any]:
-        def run() -> Any:
-            p, s, _ = steps[label][0](*cells[label][0], model.tokens)
-            cells[label][0] = (p, s)
-            return jax.block_until_ready(p)
-
-        return run
-
-    timed = paired(
-        {label: runner(label) for label in steps}, itself="fused", rounds=1 if quick else 9
-    )
+    runs = {
+        label: _runner(lambda st, f=compiled: f(*st, model.tokens)[:2], state)
+        for label, (compiled, _) in steps.items()
+    }
+    timed = paired(runs, itself="fused", rounds=1 if quick else 9)
     mem = {label: m for label, (_, m) in steps.items()}
     return [
         "",

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
@@ -58,8 +57,7 @@ def _variants(model: wl.LM) -> dict[str, tuple[Any, tuple[Any, ...]]]:
         def loss(params: Any, tokens: jax.Array, *, policy: Any = "none") -> jax.Array:
             plan = None if isinstance(policy, str) else policy
             logits = module.clone(remat=plan).apply({"params": params}, tokens[:, :-1])
-            logp = jax.nn.log_softmax(logits)  # (B, T-1, V)
-            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+            return wl.next_token_loss(logits, tokens)
 
         return loss
 

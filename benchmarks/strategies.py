@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
@@ -154,9 +153,7 @@ def _cnn_rows(quick: bool, mem_batch: int, time_batch: int, image: int) -> list[
 
 
 def _lm_loss(module: Any, params: Any, tokens: jax.Array) -> jax.Array:
-    logits = module.apply({"params": params}, tokens[:, :-1])  # (B, T-1, V)
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    return wl.next_token_loss(module.apply({"params": params}, tokens[:, :-1]), tokens)
 
 
 def _lm_rows(config: wl.LMConfig) -> list[Row]:
