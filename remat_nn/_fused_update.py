@@ -142,7 +142,7 @@ def fused_update_step(
     >>> params[0].shape
     (3, 4, 4)
     """
-    rebuilds = _check_options(inverse_fn, backward_fn, save_every, clip_norm)
+    _check_options(inverse_fn, backward_fn, save_every, clip_norm)
     layout = _Layout(stack_key)
     checked: list[bool] = []
 
@@ -158,12 +158,7 @@ def fused_update_step(
         if save_every is not None:
             h_last, source = _segments(layer_fn, h0, stack, save_every)
         else:
-
-            def forward(h: Any, layer: Any) -> tuple[Any, Any]:
-                return layer_fn(layer, h), (None if rebuilds else h)
-
-            h_last, inputs = _named_axes.scan(forward, h0, stack)  # inputs: (L, *h.shape)
-            source = _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
+            h_last, source = _forward(layer_fn, h0, stack, inverse_fn, backward_fn)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
                 lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
@@ -195,9 +190,8 @@ def fused_update_step(
     return step
 
 
-def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm: Any) -> bool:
-    """Refuses bad or clashing options of :func:`fused_update_step`, naming the fix; whether
-    the stack rebuilds its inputs (``inverse_fn`` or ``backward_fn``)."""
+def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm: Any) -> None:
+    """Refuses bad or clashing options of :func:`fused_update_step`, naming the fix."""
     if inverse_fn is not None and backward_fn is not None:
         raise ValueError(
             "fused_update_step: pass inverse_fn or backward_fn, not both (backward_fn is the "
@@ -225,7 +219,6 @@ def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm
             "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
             "rebuilds its inputs and saves none. Fix: drop save_every."
         )
-    return rebuilds
 
 
 class _Layout:
@@ -398,7 +391,7 @@ def _segments(
     layer_fn: Callable[[Any, Any], Any], h0: Any, stack: Any, k: int
 ) -> tuple[Any, _Segments]:
     """The forward scan saving the input of layers 0, k, 2k, ... (``anchors``)."""
-    length = jax.tree.leaves(stack)[0].shape[0]
+    length = _depth(stack)
     # Slots of h0's type (inside shard_map: varying as h0 does); their values are never read
     # before a layer's input is written there.
     slots = lambda n: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), h0)  # noqa: E731
@@ -440,11 +433,9 @@ def _backward_update(
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
-    length = jax.tree.leaves(stack)[0].shape[0]
     zero = jnp.zeros((), jnp.result_type(float))
-    (stack, stacks, dh, sq, _), _ = _named_axes.scan(
-        body, (stack, stacks, dh, (zero, zero), source.carry), jnp.arange(length), reverse=True
-    )
+    init = (stack, stacks, dh, (zero, zero), source.carry)
+    stack, stacks, dh, sq, _ = _reverse_over_layers(body, init, stack)
     return stack, stacks, dh, sq
 
 
@@ -465,11 +456,8 @@ def _gradient_norm(
         grad, dh, y = source.vjp(layer_fn, stack, _read(stack, i), y, dh, i)
         return (dh, sq + _squared_norm(grad), y), None
 
-    length = jax.tree.leaves(stack)[0].shape[0]
     zero = jnp.zeros((), jnp.result_type(float))
-    (dh, sq, _), _ = _named_axes.scan(
-        body, (dh, zero, source.carry), jnp.arange(length), reverse=True
-    )
+    dh, sq, _ = _reverse_over_layers(body, (dh, zero, source.carry), stack)
     (g_embed,) = embed_vjp(dh)
     return jnp.sqrt(sq + _squared_norm(jax.tree.map(jnp.add, g_head, g_embed)))
 
@@ -550,6 +538,32 @@ def _squared_norm(tree: Any) -> jax.Array:
     return sum((jnp.sum(jnp.square(x.astype(dtype))) for x in leaves), jnp.zeros((), dtype))
 
 
+def _forward(
+    layer_fn: Callable[[Any, Any], Any],
+    h0: Any,
+    stack: Any,
+    inverse_fn: Callable[[Any, Any], Any] | None,
+    backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None,
+) -> tuple[Any, _Inputs]:
+    """The forward scan, saving every layer's input unless the backward rebuilds them."""
+    rebuilds = inverse_fn is not None or backward_fn is not None
+
+    def forward(h: Any, layer: Any) -> tuple[Any, Any]:
+        return layer_fn(layer, h), (None if rebuilds else h)
+
+    h_last, inputs = _named_axes.scan(forward, h0, stack)  # inputs: (L, *h.shape)
+    return h_last, _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
+
+
+def _reverse_over_layers(body: Callable[[Any, jax.Array], Any], init: Any, stack: Any) -> Any:
+    """``body(carry, i)`` for the layers ``i = L - 1, ..., 0`` of ``stack``; the last carry."""
+    return _named_axes.scan(body, init, jnp.arange(_depth(stack)), reverse=True)[0]
+
+
+def _depth(stack: Any) -> int:
+    return jax.tree.leaves(stack)[0].shape[0]
+
+
 def _read(stack: Any, i: jax.Array | int) -> Any:
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stack)
 
@@ -627,7 +641,7 @@ def _probe(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> fl
         return rng.standard_normal(shape).astype(np.float32)
 
     stack, rest = layout.parts(params)
-    length = min(jax.tree.leaves(stack)[0].shape[0], 3)
+    length = min(_depth(stack), 3)
     p = layout.join(jax.tree.map(lambda x: small(x[:length], 1), stack), jax.tree.map(small, rest))
     whole_state = split_state = tx.init(p)
     whole_p = split_p = p
@@ -662,7 +676,7 @@ def _split_update(
     (stack, rest), (g_stack, g_rest) = layout.parts(params), layout.parts(grads)
     split = _split(opt_state, params, layout)
     stacks = _stack_halves(split, layout)
-    for i in reversed(range(jax.tree.leaves(stack)[0].shape[0])):
+    for i in reversed(range(_depth(stack))):
         layer, grad = _read(stack, i), _read(g_stack, i)
         stack, stacks, _ = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
     rest, state, _ = _update_rest(tx, split, layout, stacks, rest, g_rest)

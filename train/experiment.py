@@ -116,9 +116,7 @@ def build_experiment(
     data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
     batch_sh = sharding_lib.batch_sharding(mesh)
     repl = sharding_lib.replicated(mesh)
-    # The fused step clips by the global norm itself: its optimizer has no clip (the same state).
-    clip = not cfg.train.update_in_backward
-    tx, schedule = state_lib.make_optimizer(cfg.optim, schedule_steps(cfg), clip=clip)
+    tx, schedule = _optimizer(cfg)
     example = dataset.example_batch(1)
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
     plan_file = choice = None
@@ -188,6 +186,13 @@ def build_experiment(
         loss=loss,
         metric_names=steps.metric_names,
     )
+
+
+def _optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    # The fused step (train.update_in_backward) clips by the global norm itself: its optimizer
+    # has optax.identity in the clip's place, the same (empty) state.
+    clip = not cfg.train.update_in_backward
+    return state_lib.make_optimizer(cfg.optim, schedule_steps(cfg), clip=clip)
 
 
 def _train_step_fn(
