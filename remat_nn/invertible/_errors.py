@@ -67,8 +67,8 @@ def after(x: Any, dep: Any) -> Any:
         return x
     if jnp.finfo(x.dtype).bits <= 16:
         # An operation on a 16-bit value makes XLA round it there, where the forward pass may
-        # have kept excess precision: the recomputed value would differ (measured: gradients of
-        # bfloat16 branches 100x less accurate). Not tied: scheduling, not values, is at stake.
+        # have kept excess precision: the recomputed value would differ, and gradients of
+        # bfloat16 branches lose accuracy. Not tied: scheduling, not values, is at stake.
         return x
     return x - jnp.zeros((), x.dtype) * (dep > -1).astype(x.dtype)
 
