@@ -57,7 +57,7 @@ class _Bare:
     def __init__(self, cfg) -> None:
         spec = models.get(cfg.model.name)
         dataset = data_lib.load(cfg.data, task=spec.task)
-        model = models.build(cfg.model.name, **experiment_lib._model_options(cfg, spec, dataset))
+        model = models.build(cfg.model.name, **experiment_lib.model_options(cfg, spec, dataset))
         tx, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
         example = dataset.example_batch(1)
         init = state_lib.make_init(

@@ -4,14 +4,46 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from train.config import Data
-from train.data import CROP_PAD, Batches, Dataset, crop_flip, eval_batches, load, read_idx
+from train.config import DATA_SOURCES, Data
+from train.data import (
+    CROP_PAD,
+    LOADERS,
+    Batches,
+    Dataset,
+    crop_flip,
+    eval_batches,
+    load,
+    read_idx,
+)
 from train.errors import SetupError
+
+
+def test_every_data_source_has_one_loader():
+    # train.config.DATA_SOURCES is the one table of sources (the schema's values come from it).
+    assert list(LOADERS) == list(DATA_SOURCES)
+
+
+def test_every_data_source_is_in_the_trainer_docs_table():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
+    section = text.split("\n## Train on your data\n")[1].split("\n## ")[0]
+    first_column = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
+    assert set(re.findall(r"`(\w+)`", " ".join(first_column))) == set(DATA_SOURCES)
+
+
+def test_embedded_sources_load_the_tasks_the_table_gives():
+    for name, source in DATA_SOURCES.items():
+        if source.needs_path:
+            continue  # the file formats: tested below on fixtures
+        for task in source.tasks:
+            cfg = Data(source=name, seq_len=16, synthetic={"num_examples": 8})
+            assert load(cfg, task=task).task == task, (name, task)
 
 
 def test_embedded_digits_are_real_and_split_by_seed():

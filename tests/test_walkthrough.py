@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.trainer_cli import run_in_process, shared_compilation_cache
-from train import data as data_lib
+from train.data import _pipeline as pipeline_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, STOP = 6, 3
@@ -110,9 +110,9 @@ def test_readme_walkthrough_trains_stops_and_resumes_bitwise(tmp_path, monkeypat
     tiny = [f"data.path={tmp_path / 'cifar'}", *TINY]
 
     crops = []  # the training batches go through the crop/flip augmentation
-    crop_flip = data_lib.crop_flip
+    crop_flip = pipeline_lib.crop_flip
     monkeypatch.setattr(
-        data_lib, "crop_flip", lambda x, *a, **k: crops.append(len(x)) or crop_flip(x, *a, **k)
+        pipeline_lib, "crop_flip", lambda x, *a, **k: crops.append(len(x)) or crop_flip(x, *a, **k)
     )
     # The four runs compile the same programs: once, through a shared compilation cache.
     with shared_compilation_cache(str(tmp_path / "jax_cache")):

@@ -32,7 +32,7 @@ from train.config import AutoRequest, Config
 from train.errors import SetupError
 from train.state import TrainState
 
-__all__ = ["Experiment", "build_experiment", "schedule_steps"]
+__all__ = ["Experiment", "build_experiment", "model_options", "schedule_steps"]
 
 
 @dataclass
@@ -107,7 +107,7 @@ def build_experiment(
     spec = _model_spec(cfg)
     loss = _loss(cfg, spec)
     dataset = data_lib.load(cfg.data, task=spec.task)
-    options = _model_options(cfg, spec, dataset)
+    options = model_options(cfg, spec, dataset)
     # The config's remat request resolved once: a Plan, "none", an AutoRequest (planned below)
     # or None (the model's default plan).
     plan = remat_lib.resolve(cfg.remat_request, spec, model=cfg.model.label)
@@ -381,11 +381,33 @@ def schedule_steps(cfg: Config) -> int:
     return cfg.optim.schedule_steps or cfg.train.steps
 
 
-def _model_options(cfg: Config, spec: Any, dataset: data_lib.Dataset) -> dict[str, Any]:
-    # Options the data decides (classes, vocabulary, image size and channels) are filled in when
-    # the model has them and the config does not set them; a set value must agree with the data.
-    # The compute dtype is one knob: train.compute_dtype sets the model's `dtype` option.
-    opts = dict(cfg.model.options)  # the remat plan is handed over by train.remat
+def model_options(cfg: Config, spec: models.ModelSpec, dataset: data_lib.Dataset) -> dict[str, Any]:
+    """The model's constructor options: ``model.options`` completed from the data and the config.
+
+    Options the data decides (classes, vocabulary, image size and channels, regression outputs)
+    are filled in when the model has them and the config does not set them; a set value must
+    agree with the data. The compute dtype is one knob: ``train.compute_dtype`` sets the model's
+    ``dtype`` option. The top-level ``remat`` is not added here (``train.remat`` hands it over).
+
+    Args:
+      cfg: the run's config.
+      spec: the model's registry entry (its options' schema).
+      dataset: the loaded data.
+
+    Returns:
+      keyword arguments for ``models.build`` (or the spec's constructor).
+
+    Raises:
+      SetupError: a set option that disagrees with the data or with ``train.compute_dtype``.
+
+    >>> from train.config import load_config
+    >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus"])
+    >>> dataset = data_lib.load(cfg.data, task="lm")
+    >>> options = model_options(cfg, models.get("transformer"), dataset)
+    >>> options["vocab_size"], options["dtype"]
+    (256, 'float32')
+    """
+    opts = dict(cfg.model.options)
     fields = spec.options.model_fields
     from_data: dict[str, int | None] = {
         "num_classes": dataset.num_classes,

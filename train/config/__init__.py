@@ -25,7 +25,9 @@ The parts, one file each:
 - ``_load``: :func:`load_config` / :func:`dump_config`, the three above in order;
 - ``_resume``: which keys a resumed run may change, and the effective form configs compare in;
 - ``_describe``: :func:`describe_options`, the ``--help`` text;
-- ``_errors``: :class:`ConfigError`.
+- ``_errors``: :class:`ConfigError`;
+- ``_sources``: the table of data sources (:data:`DATA_SOURCES`), which the schema, the checks
+  and ``train.data``'s loaders read.
 """
 
 from train.config._describe import describe_options
@@ -33,6 +35,7 @@ from train.config._errors import ConfigError
 from train.config._load import dump_config, load_config
 from train.config._remat import AutoRequest, RematRequest, is_auto, parse_remat, request_errors
 from train.config._resume import is_resume_safe, resume_safe_keys, resume_view
+from train.config._sources import DATA_SOURCES, DataSource, Task, sources_fitting
 from train.config._schema import (
     Checkpoint,
     Config,
@@ -55,7 +58,9 @@ __all__ = [
     "Checkpoint",
     "Config",
     "ConfigError",
+    "DATA_SOURCES",
     "Data",
+    "DataSource",
     "Distributed",
     "InitFrom",
     "Mesh",
@@ -64,6 +69,7 @@ __all__ = [
     "Profile",
     "RematRequest",
     "Synthetic",
+    "Task",
     "Tokens",
     "Train",
     "YamlLoader",
@@ -78,4 +84,5 @@ __all__ = [
     "resume_safe_keys",
     "resume_view",
     "safe_field",
+    "sources_fitting",
 ]

@@ -16,12 +16,9 @@ from remat_nn.errors import did_you_mean
 from train.config._errors import pydantic_errors
 from train.config._remat import RematRequest, parse_remat
 from train.config._schema import Config, Model
+from train.config._sources import sources_fitting
 
 __all__ = ["cross_section_errors", "registry_errors", "registry_inputs"]
-
-_LM_SOURCES = {"text", "corpus", "tokens", "synthetic"}
-_IMAGE_SOURCES = {"digits", "cifar10", "mnist", "npz", "synthetic"}
-_TABLE_SOURCES = {"npz", "synthetic"}
 
 
 def _remat_errors(
@@ -93,7 +90,7 @@ def registry_errors(
                 if request is not None and request.kind == "auto":
                     msg = f"policy: auto hands the model a remat plan, which it refuses: {msg}"
             errors.append((path, msg))
-    allowed = {"lm": _LM_SOURCES, "regress": _TABLE_SOURCES}.get(spec.task, _IMAGE_SOURCES)
+    allowed = sources_fitting(spec.task)
     if source is not None and source not in allowed:
         errors.append(
             (

@@ -17,6 +17,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt
 from pydantic_core import PydanticUndefined
 
 from train.config._remat import RematRequest, parse_remat
+from train.config._sources import DATA_SOURCES, Task
 
 # A positive number that is finite: inf passes `gt=0` and would surface later as a non-finite loss.
 PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -78,7 +79,7 @@ class Model(_Section):
         "itself); importable from the working directory or PYTHONPATH. See README 'Train your "
         "model'",
     )
-    task: Literal["classify", "lm", "regress"] | None = Field(
+    task: Task | None = Field(
         None,
         description="model.module only: classify (images (B, H, W, C) -> logits (B, classes)), "
         "lm (int32 tokens (B, T) -> logits (B, T, vocab)) or regress (float features (B, F) -> "
@@ -163,25 +164,19 @@ class Tokens(_Section):
     )
 
 
-_LM_ONLY_SOURCES = ("text", "corpus", "tokens")
+_SOURCE_NAMES = tuple(DATA_SOURCES)
+_PATH_SOURCES = "/".join(name for name, s in DATA_SOURCES.items() if s.needs_path)
 
 
 class Data(_Section):
     """Where the examples come from, how they are augmented, and how they are batched."""
 
-    source: Literal[
-        "digits", "cifar10", "mnist", "npz", "text", "corpus", "tokens", "synthetic"
-    ] = Field(
+    source: Literal[_SOURCE_NAMES] = Field(
         "digits",
-        description="digits: scikit-learn's bundled 8x8 digits (embedded default); cifar10: a "
-        "CIFAR-10 python-pickle directory; mnist: a directory of MNIST IDX files; npz: arrays "
-        "x_train/y_train[/x_test/y_test]; text: a plain text file (byte-level LM); corpus: the "
-        "Python docs text shipped with every Python (byte-level LM); tokens: a flat binary file "
-        "of token ids, memory-mapped (LM, see data.tokens); synthetic: random data",
+        description="; ".join(f"{name}: {s.description}" for name, s in DATA_SOURCES.items()),
     )
     path: UserPath | None = Field(
-        None,
-        description="file or directory for cifar10/mnist/npz/text/tokens (~ is the home directory)",
+        None, description=f"file or directory for {_PATH_SOURCES} (~ is the home directory)"
     )
     batch_size: PositiveInt | None = Field(
         128, description="global batch size (all devices, all processes)"
@@ -216,12 +211,12 @@ class Data(_Section):
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> Data:
-        needs_path = {"cifar10", "mnist", "npz", "text", "tokens"}
-        if self.source in needs_path and not self.path:
+        source = DATA_SOURCES[self.source]
+        if source.needs_path and not self.path:
             raise ValueError(f"data.source={self.source!r} needs data.path (a file or directory)")
         if self.batch_size is None and self.batch_size_per_device is None:
             raise ValueError("set data.batch_size (global) or data.batch_size_per_device")
-        if self.source in _LM_ONLY_SOURCES:
+        if source.token_data:
             for key in ("augment", "normalize"):
                 if getattr(self, key) != "none":
                     raise ValueError(
