@@ -128,6 +128,22 @@ def test_npz_with_and_without_test_split(tmp_path):
         load(Data(source="npz", path=str(tmp_path / "c.npz")), task="classify")
 
 
+@pytest.mark.parametrize("task", ["classify", "regress"])
+def test_an_unreadable_npz_path_is_a_setup_error_naming_the_fix(tmp_path, task):
+    # Each was a bare numpy traceback (FileNotFoundError, ValueError, AttributeError) before.
+    (tmp_path / "t.txt").write_text("not an archive")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    cases = {
+        "missing.npz": "cannot be read: FileNotFoundError",
+        "t.txt": "is not an .npz archive",
+        "one.npy": "holds one array",
+    }
+    for name, says in cases.items():
+        with pytest.raises(SetupError, match=says) as e:
+            load(Data(source="npz", path=str(tmp_path / name)), task=task)
+        assert "Fix:" in str(e.value)
+
+
 def test_plain_text_file(tmp_path):
     (tmp_path / "t.txt").write_text("héllo world " * 50, encoding="utf-8")
     ds = load(Data(source="text", path=str(tmp_path / "t.txt"), seq_len=8), task="lm")

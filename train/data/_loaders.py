@@ -148,7 +148,19 @@ def load_npz(cfg: Data, task: Task = "classify") -> Dataset:
     Images and integer labels, or for ``task="regress"`` float features (N, F) and targets
     (N,) or (N, K).
     """
-    with np.load(cfg.path or "") as f:
+    try:
+        archive = np.load(cfg.path or "")
+    except ValueError as e:  # not a zip archive: numpy takes it for a pickle, which it refuses
+        raise SetupError(
+            f"data.path={cfg.path!r} (data.source=npz) is not an .npz archive: {e} Fix: the "
+            "path of a file written by np.savez(path, x_train=..., y_train=...)."
+        ) from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):  # one .npy array
+        raise SetupError(
+            f"data.path={cfg.path!r} (data.source=npz) holds one array (.npy), not named arrays. "
+            "Fix: np.savez(path, x_train=..., y_train=...) (optionally x_test=, y_test=)."
+        )
+    with archive as f:
         keys = set(f.files)
         if not {"x_train", "y_train"} <= keys:
             raise SetupError(
@@ -277,14 +289,16 @@ def load_tokens(cfg: Data) -> Dataset:
 Loader = Callable[[Data, Task], Dataset]
 
 
-def _reading(read: Callable[[Data], Dataset]) -> Loader:
-    """``read`` as a loader whose unreadable ``data.path`` is a SetupError naming the fix."""
+def _reading(read: Callable[..., Dataset], *, takes_task: bool = False) -> Loader:
+    """``read`` as a loader whose unreadable ``data.path`` is a SetupError naming the fix.
+
+    ``takes_task``: ``read(cfg, task)`` (a source of several kinds of data); else ``read(cfg)``.
+    """
 
     @functools.wraps(read)
     def loader(cfg: Data, task: Task) -> Dataset:
-        del task  # the source holds one kind of data
         try:
-            return read(cfg)
+            return read(cfg, task) if takes_task else read(cfg)
         except (OSError, UnicodeDecodeError) as e:  # a path that is missing, unreadable or binary
             raise SetupError(
                 f"data.path={cfg.path!r} (data.source={cfg.source}) cannot be read: "
@@ -300,11 +314,11 @@ LOADERS: dict[str, Loader] = {
     "digits": _reading(load_digits),
     "cifar10": _reading(load_cifar10),
     "mnist": _reading(load_mnist),
-    "npz": load_npz,  # npz and synthetic take the task: images or a table (and tokens)
+    "npz": _reading(load_npz, takes_task=True),  # images, or a table (regress)
     "text": _reading(load_text),
     "corpus": _reading(load_corpus),
     "tokens": _reading(load_tokens),
-    "synthetic": load_synthetic,
+    "synthetic": load_synthetic,  # reads no file; images, a table or tokens by the task
 }
 
 
