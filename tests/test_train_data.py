@@ -33,8 +33,12 @@ def test_every_data_source_has_one_loader():
 def test_every_data_source_is_in_the_trainer_docs_table():
     text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
     section = text.split("\n## Train on your data\n")[1].split("\n## ")[0]
-    first_column = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
-    assert set(re.findall(r"`(\w+)`", " ".join(first_column))) == set(DATA_SOURCES)
+    rows = [row.split("|") for row in section.splitlines() if row.startswith("| `")]
+    assert set(re.findall(r"`(\w+)`", " ".join(r[1] for r in rows))) == set(DATA_SOURCES)
+    for row in rows:  # a file format's row names the tasks its data fits
+        names = re.findall(r"`(\w+)`", row[1])
+        if len(names) == 1 and DATA_SOURCES[name := names[0]].needs_path:
+            assert {t.strip() for t in row[-2].split(",")} == set(DATA_SOURCES[name].tasks), name
 
 
 def test_embedded_sources_load_the_tasks_the_table_gives():
