@@ -193,6 +193,87 @@ def test_fused_step_equals_two_phase_step_bf16_compute():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fused.params))
 
 
+def _revnet_steps(model, optim: Optim, n=3):
+    """The fused and the two-phase state of a float64 RevNet after ``n`` steps (call under x64)."""
+    tx, schedule = state_lib.make_optimizer(optim, 10)
+    example = jax.ShapeDtypeStruct((B, 8, 8, 3), jnp.float64)
+    state = jax.jit(state_lib.make_init(model, tx, example, seed=0))()
+    state = jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, state)
+    steps = {
+        "fused": fused_lib.make_fused_train_step(
+            models.get("revnet38").stage_stacks(model), tx, schedule, compute_dtype=jnp.float64
+        ),
+        "two_phase": state_lib.make_train_step(
+            model, tx, schedule, compute_dtype=jnp.float64, has_batch_stats=True
+        ),
+    }
+    x = jax.random.normal(jax.random.key(1), (n, B, 8, 8, 3), jnp.float64)
+    y = jax.random.randint(jax.random.key(2), (n, B), 0, 10)
+    out = {}
+    for name, step in steps.items():
+        s, step = jax.tree.map(jnp.copy, state), jax.jit(step, donate_argnums=0)
+        for i in range(n):
+            s, m = step(s, {"x": x[i], "y": y[i]})
+        out[name] = (s, m)
+    return out
+
+
+def _err64(got, want) -> float:
+    """max|a - b| / max|b| per leaf in float64 (rn.relative_error compares in float32)."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    errs = [np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)) for a, b in pairs]
+    return float(max(errs))
+
+
+@pytest.mark.parametrize(
+    "optim",
+    [
+        Optim(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
+        Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1),
+    ],
+    ids=["sgd_nesterov", "adamw"],
+)
+def test_revnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
+    # RevNet: stages of coupling stacks with BatchNorm (models.StageStacks, fused_update_stages).
+    # The fused step's new batch_stats are the forward pass's, as the two-phase step's mutable
+    # apply returns them; weight decay masked off biases and BatchNorm scales (the config's).
+    from models.revnet import ARCHS, RevNet
+
+    with jax.enable_x64(True):
+        model = RevNet(
+            ARCHS["revnet38"].scaled(0.25),
+            dtype=jnp.float64,
+            recon_dtype=jnp.float64,
+            remat=rn.plan({"default": "recompute"}),
+        )
+        out = _revnet_steps(model, optim)
+        (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+        errs = [_err64(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
+        errs.append(_err64(fused.batch_stats, ref.batch_stats))
+    print(f"revnet38/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
+    assert jax.tree.structure(fused) == jax.tree.structure(ref)
+    assert max(errs) <= 1e-6
+    assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9
+
+
+def test_revnet_cli_run_updates_in_the_backward(tmp_path):
+    # configs/revnet.yaml as its header runs it, with the fused step, at a quarter width.
+    code, out = run_in_process(
+        [
+            "--config",
+            str(ROOT / "configs/revnet.yaml"),
+            f"run_dir={tmp_path}",
+            "train.update_in_backward=true",
+            "train.steps=3",
+            "train.plot=false",
+            "model.options.width=0.25",
+            "data.batch_size=16",
+        ]
+    )
+    assert code == 0, out
+    assert "done: 3 steps" in out
+
+
 # --- through the trainer ---------------------------------------------------------------------
 
 
