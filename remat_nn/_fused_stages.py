@@ -32,6 +32,7 @@ from remat_nn._fused_update import (
     _stack_norm,
     _update_rest,
 )
+from remat_nn._tie import tie, zero_after
 
 if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
     import optax
@@ -85,8 +86,9 @@ def fused_update_stages(
     at the end; the result equals the two-phase step for element-wise optimizers. Each layer
     is recomputed from its saved input (or rebuilt from its output: ``inverse``/``backward``)
     with the state the forward saw; the non-stacked functions are differentiated by
-    ``jax.vjp`` (wrap one in ``jax.checkpoint`` to recompute it instead of storing it). Jit the
-    step with ``donate_argnums=(0, 1, 2)``.
+    ``jax.vjp`` (wrap one in ``jax.checkpoint`` to recompute it instead of storing it: the
+    recomputation is tied to the incoming cotangent, so it runs when the backward reaches the
+    unit on every backend). Jit the step with ``donate_argnums=(0, 1, 2)``.
 
     Args:
       embed_fn: ``(rest, rest_state, batch) -> (h, rest_state)``.
@@ -257,7 +259,8 @@ def _forward(
         before_vjp = None
         if stage.before is not None:
             before = partial(_with_state, stage.before, rest_state)
-            h, before_vjp, rest_state = jax.vjp(before, rest, h, has_aux=True)
+            h, vjp, rest_state = jax.vjp(before, rest, h, has_aux=True)
+            before_vjp = partial(_tied, vjp, rest)
         h, source, new_consts[stage.key] = _stack_forward(
             stage, stacks[stage.key], consts[stage.key], h
         )
@@ -309,6 +312,17 @@ def _walk(
             g_rest = jax.tree.map(jnp.add, g_rest, g_before)
     (g_embed,) = embed_vjp(dh)
     return jax.tree.map(jnp.add, g_rest, g_embed)
+
+
+def _tied(vjp: Callable[[Any], Any], rest: Any, dh: Any) -> Any:
+    """``vjp(dh)`` with the residuals tied to ``dh`` (see :mod:`remat_nn._tie`), but those that
+    are leaves of ``rest`` (parameters, read as they are: tying would copy them). A unit under
+    ``jax.checkpoint`` then recomputes here, not at the start of the backward pass, where
+    XLA:CPU, which drops ``prevent_cse``'s barrier, would run it (or keep the forward's)."""
+    zero = zero_after(dh)
+    params = {id(x) for x in jax.tree.leaves(rest)}
+    leaves, treedef = jax.tree.flatten(vjp)
+    return treedef.unflatten([x if id(x) in params else tie(x, zero) for x in leaves])(dh)
 
 
 def _global_norm(

@@ -231,3 +231,41 @@ def test_params_without_a_stack_and_whole_gradient_optimizers_are_refused():
     step = rn.fused_update_stages(embed, stages("saved"), head, tx, has_aux=True)
     with pytest.raises(rn.FusedUpdateError, match="clip_by_global_norm"):
         step(params, tx.init(params), state, x)
+
+
+def test_a_rematerialized_before_unit_recomputes_in_the_backward():
+    # A `before` under jax.checkpoint keeps only its input until its VJP: its recomputation is
+    # tied to the incoming cotangent, so XLA:CPU (whose scheduler ignores prevent_cse) does not
+    # run it at the start of the backward pass or keep the forward's activations instead.
+    width, batch = 256, 64
+
+    def before(rest, s, h):
+        for w in rest["mlp"]:  # 4 activations of (batch, width) each
+            h = jnp.tanh(h @ w)
+        return h, s
+
+    def plain(p, c, h):
+        return jnp.tanh(h @ p), c
+
+    def temp(before_fn):
+        tx = optax.sgd(0.1)
+        step = rn.fused_update_stages(
+            lambda r, s, x: (x, s),
+            [rn.FusedStage("a", plain), rn.FusedStage("b", plain, before=before_fn)],
+            lambda r, s, h, x: (jnp.mean(h**2), s),
+            tx,
+        )
+        params = {
+            "a": jnp.zeros((2, width, width)),
+            "b": jnp.zeros((2, width, width)),
+            "mlp": [jnp.zeros((width, width))] * 4,
+        }
+        x = jnp.zeros((batch, width))
+        state = tx.init(params)
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, {}, x)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    stored, recomputed = temp(before), temp(jax.checkpoint(before))
+    activation = batch * width * 4
+    print(f"temp: before stored {stored} B, rematerialized {recomputed} B")
+    assert stored - recomputed >= 2 * activation
