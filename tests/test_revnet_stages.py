@@ -112,11 +112,12 @@ def test_composed_parts_equal_module_apply_float64():
 @pytest.mark.parametrize(
     ("name", "kwargs"),
     [
-        ("sgd_nesterov", {}),
-        ("adamw", {}),
+        # the downsampling units recomputed, the couplings rebuilt from their outputs
         ("adamw", {"remat": rn.plan({"default": "recompute"})}),
+        # the downsampling units stored, the couplings' inputs saved (plain autodiff's network)
         ("sgd_nesterov", {"reversible": False}),
     ],
+    ids=["adamw-remat_full", "sgd_nesterov-reversible_false"],
 )
 def test_fused_step_equals_two_phase_step_float64(name, kwargs):
     tx = {
