@@ -139,7 +139,7 @@ def fused_update_stages(
         whole.check(params, state)
         if not checked:
             for key in keys:
-                _check_element_wise(optimizer, params, _Layout(key))
+                _check_element_wise(optimizer, params, _Layout(key), "fused_update_stages")
             checked.append(True)
         stacks, rest = whole.parts(params)
         consts = {k: state.get(k, {}) for k in keys}

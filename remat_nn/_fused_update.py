@@ -641,12 +641,17 @@ def _transform_names(fn: Any, seen: set[int] | None = None) -> list[str]:
     return names
 
 
-def _check_element_wise(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> None:
+def _check_element_wise(
+    tx: optax.GradientTransformation,
+    params: Any,
+    layout: _Layout,
+    where: str = "fused_update_step",
+) -> None:
     names = " ".join(_transform_names(tx.update))
     for name, alternative in _WHOLE_GRADIENT.items():
         if name in names:
             raise FusedUpdateError(
-                f"fused_update_step: optimizer contains optax.{name}, which reads the whole "
+                f"{where}: optimizer contains optax.{name}, which reads the whole "
                 f"gradient before updating any leaf, so it cannot run per layer inside the "
                 f"backward pass. Alternative: {alternative}."
             )
@@ -655,14 +660,14 @@ def _check_element_wise(tx: optax.GradientTransformation, params: Any, layout: _
             err = _probe(tx, params, layout)
     except Exception as e:  # noqa: BLE001 -- any failure of the split update is a refusal
         raise FusedUpdateError(
-            f"fused_update_step: optimizer {names.split()[0]} cannot be applied to one layer's "
+            f"{where}: optimizer {names.split()[0]} cannot be applied to one layer's "
             f"slice of the state ({type(e).__name__}: {e}). Per-layer updates need an "
             "element-wise optax transformation (sgd, adam, adamw, lion, ...) without masks given "
             "as pytrees; use the two-phase step (jax.grad, then tx.update) otherwise."
         ) from e
     if not err <= 1e-6:
         raise FusedUpdateError(
-            f"fused_update_step: optimizer {names.split()[0]} is not element-wise: on a probe, "
+            f"{where}: optimizer {names.split()[0]} is not element-wise: on a probe, "
             f"updating each layer separately differs from updating the whole stack (max-scaled "
             f"relative error {err:.3g}). It needs more than one leaf slice's gradient (a global "
             "norm, a trust ratio, an accumulation?): use per-layer clipping (optax.clip, "
