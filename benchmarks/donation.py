@@ -58,6 +58,7 @@ def run(quick: bool = False) -> Result:
     fused_lines, fused_targets = _fused_section(model, tx, mems["not donated"], quick)
     fused_lines += _clip_section(model, tx, quick)
     fused_lines += _stack_forms_section(model, tx, quick)
+    fused_lines += _revnet_section(tx, quick)
     # Run the donated step once: the old state's buffers must be consumed.
     leaves = jax.tree.leaves(state)
     new_state, _ = compiled(state, model.tokens)
@@ -492,3 +493,71 @@ def _clip_section(model: wl.LM, tx: optax.GradientTransformation, quick: bool) -
         f"Step time with the clip / without: {timed.ratio('fused, clip_norm=1.0', 'fused'):.3f} "
         f"({timed.noise_text()}).",
     ]
+
+
+def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
+    """RevNet-38's two-phase steps and its fused step over its stages (``rn.fused_update_stages``):
+    the coupling stacks updated per layer, BatchNorm statistics in the donated state."""
+    from benchmarks import revnet as revnet_bench  # its RevNet-38, batch and image size
+    from models import revnet as R
+
+    batch, image = (8, 8) if quick else (128, 32)
+    module = revnet_bench._module("revnet38", quick)
+    model = wl.classifier(
+        "revnet38", batch=batch, image_size=image, module=module, materialize=False
+    )
+    state = (model.params, jax.eval_shape(tx.init, model.params), model.batch_stats)
+
+    def two_phase(state: Any, images: jax.Array, labels: jax.Array) -> tuple[Any, jax.Array]:
+        params, opt_state, stats = state
+        (value, new), grads = jax.value_and_grad(model.loss, has_aux=True)(
+            params, stats, images, labels
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, new["batch_stats"]), value
+
+    parts = R.stage_stacks(module)
+    fused = rn.fused_update_stages(
+        lambda rest, stats, batch: parts.embed(rest, stats, batch[0]),
+        parts.stages,
+        lambda rest, stats, h, batch: _xent(parts.head(rest, stats, h), batch[1]),
+        tx,
+    )
+    args = (model.images, model.labels)
+    mems = {
+        "two-phase, not donated": wl.compile_step(two_phase, state, *args)[1],
+        "two-phase, donate_argnums=0": wl.compile_step(two_phase, state, *args, donate_argnums=0)[
+            1
+        ],
+        "fused, donated": wl.compile_step(fused, *state, args, donate_argnums=(0, 1, 2))[1],
+    }
+    plain, state_bytes = mems["two-phase, not donated"].peak_bytes, wl.tree_bytes(state)
+    arch = revnet_bench._arch("revnet38", quick)
+    return [
+        "",
+        "### RevNet-38 (`rn.fused_update_stages`)",
+        "",
+        f"RevNet-38 (units per stage {arch.units}, widths {arch.widths}; batch {batch} of "
+        f"{image}x{image} images, as `python -m benchmarks revnet`{' --quick' if quick else ''} "
+        "measures it; the downsampling units under `full`), adamw; state = parameters + "
+        f"optimizer state + BatchNorm statistics = {format_bytes(state_bytes)}. The fused step "
+        "is its stages as `models.revnet.stage_stacks` gives them (as the trainer's "
+        "`train.update_in_backward` builds it): per stage a reverse scan over the couplings, "
+        "each rebuilt from its output and updated right after its VJP; the stem, downsampling "
+        "units and head updated at the end; the new batch statistics the forward pass's.",
+        "",
+        "| step | temp | peak | peak below the non-donated two-phase step (of the state) |",
+        "|---|--:|--:|--:|",
+        *(
+            f"| {label} | {format_bytes(m.temp_size_in_bytes)} | {format_bytes(m.peak_bytes)} "
+            f"| {format_bytes(plain - m.peak_bytes)} = {(plain - m.peak_bytes) / state_bytes:.1%} |"
+            for label, m in mems.items()
+        ),
+    ]
+
+
+def _xent(head: tuple[jax.Array, Any], labels: jax.Array) -> tuple[jax.Array, Any]:
+    """``(logits, batch_stats)`` -> (cross-entropy, batch_stats), as ``wl.Classifier.loss``."""
+    logits, stats = head
+    logp = jax.nn.log_softmax(logits)  # (B, classes)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), stats

@@ -41,7 +41,14 @@ raises :class:`ModuleError` naming ``model.module``, the value and the fix.
 """
 
 # --- what a registered model is, and the option readers the models share --------------------
-from models._spec import LayerStack, ModelSpec, check_scan_levels, nesting_holds_fewer, remat_option
+from models._spec import (
+    LayerStack,
+    ModelSpec,
+    StageStacks,
+    check_scan_levels,
+    nesting_holds_fewer,
+    remat_option,
+)
 
 # --- the registry: name -> ModelSpec ------------------------------------------------------------
 from models._registry import REGISTRY, build, get, register
@@ -53,6 +60,7 @@ __all__ = [
     "FROM_DATA",
     "REGISTRY",
     "LayerStack",
+    "StageStacks",
     "ModelSpec",
     "MODULE_REMAT_PRESETS",
     "ModuleError",

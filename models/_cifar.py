@@ -266,12 +266,17 @@ def family_specs(
     build: Any,
     doc: str,
     variants: Any = None,
+    stage_stacks: Any = None,
 ) -> dict[str, ModelSpec]:
     """The registry entries of a family: ``family`` (option ``depth``) and one per depth
-    (``resnet32``, ...) whose options fix it; ``variants(options, schema=...)`` or None."""
+    (``resnet32``, ...) whose options fix it; ``variants(options, schema=...)`` or None;
+    ``stage_stacks`` as :class:`ModelSpec`'s."""
     depths = options.model_fields["depth"].annotation.__args__
     doc_family = f"{doc}, option depth in {list(depths)}"
-    out = {family: ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants)}
+    extra = {"stage_stacks": stage_stacks}
+    out = {
+        family: ModelSpec(build, options, "classify", doc_family, REMAT_PRESETS, variants, **extra)
+    }
     for depth in depths:
         fixed = pydantic.create_model(
             f"{options.__name__}{depth}",
@@ -282,6 +287,6 @@ def family_specs(
         doc_depth = f"{title}-{depth}: {doc}"
         fixed_variants = variants and functools.partial(variants, schema=fixed)
         out[f"{family}{depth}"] = ModelSpec(
-            build, fixed, "classify", doc_depth, REMAT_PRESETS, fixed_variants
+            build, fixed, "classify", doc_depth, REMAT_PRESETS, fixed_variants, **extra
         )
     return out

@@ -16,6 +16,7 @@ from remat_nn.errors import did_you_mean
 __all__ = [
     "LayerStack",
     "ModelSpec",
+    "StageStacks",
     "check_scan_levels",
     "nesting_holds_fewer",
     "remat_option",
@@ -50,6 +51,29 @@ class LayerStack:
 
 
 @dataclass(frozen=True)
+class StageStacks:
+    """A built model as an embedding, stages of layer stacks, and a head, with BatchNorm state.
+
+    What ``train.update_in_backward`` needs (:func:`remat_nn.fused_update_stages`) for a model
+    whose stacks differ in shape (a RevNet's stages): the same computation as
+    ``module.apply(variables, x, train=True, mutable=["batch_stats"])``, outputs and new
+    ``batch_stats``. ``rest`` is the parameters but the stacks, ``stats`` the batch statistics
+    but the stacks'; every part takes float32 parameters.
+
+    Attributes:
+      embed: ``(rest, stats, x) -> (h, stats)``, the first stage's input.
+      stages: the :class:`remat_nn.FusedStage` s: the non-stacked unit before each stack (e.g.
+        a downsampling unit), the stack's key, one layer ``(layer_params, layer_stats, h) ->
+        (h, layer_stats)`` and, for a reversible stack, its fused inverse and VJP.
+      head: ``(rest, stats, h) -> (outputs, stats)``, outputs as ``module.apply`` returns them.
+    """
+
+    embed: Callable[[Any, Any, Any], tuple[Any, Any]]
+    stages: tuple[rn.FusedStage, ...]
+    head: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """How to build one registered model.
 
@@ -73,6 +97,8 @@ class ModelSpec:
       layer_stack: ``layer_stack(module) -> LayerStack`` for a built module, or a ValueError
         saying why that module is not a plain stack of layers (e.g. unscanned blocks); None:
         the model has no layer stack.
+      stage_stacks: for a model of several stacks (and BatchNorm), ``stage_stacks(module) ->
+        StageStacks``, or a ValueError saying why not; None: none (``layer_stack`` is used).
     """
 
     build: Callable[..., fnn.Module]
@@ -82,6 +108,7 @@ class ModelSpec:
     remat_presets: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
     layer_stack: Callable[[fnn.Module], LayerStack] | None = None
+    stage_stacks: Callable[[fnn.Module], StageStacks] | None = None
 
 
 def remat_option(

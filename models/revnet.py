@@ -17,6 +17,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import flax.linen as fnn
@@ -39,7 +40,7 @@ from models._cifar import (
     _policy,
     family_specs,
 )
-from models._spec import ModelSpec
+from models._spec import ModelSpec, StageStacks
 from remat_nn import nn as rnn
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "RevNet",
     "RevNetOptions",
     "build_revnet",
+    "stage_stacks",
 ]
 
 
@@ -176,6 +178,114 @@ class RevNet(fnn.Module):
         return _Head(self.num_classes, train, self.dtype, name="head")(x)
 
 
+# --- the stages as stacks, for the optimizer update inside the backward pass ---------------------
+
+
+def stage_stacks(module: RevNet) -> StageStacks:
+    """The RevNet as stem, stages (downsampling unit, stack of couplings) and head.
+
+    The same computation as ``module.apply(variables, images, train=True,
+    mutable=["batch_stats"])``, for :func:`remat_nn.fused_update_stages`: the stacks at the
+    stages' keys (``params["stage1"]["layers"]``), each downsampling unit under the model's
+    remat plan, each coupling's input rebuilt from its output by the coupling's fused inverse
+    and VJP (saved instead with ``reversible=False``). The residual stream between the parts
+    is the pair of channel halves in ``recon_dtype``, as in ``nn.ReversibleSequence``; a
+    stack's inputs are rebuilt from its output through all its layers (``anchor_every`` does
+    not apply).
+
+    Raises:
+      ValueError: a stage holds its downsampling unit only (no stack).
+
+    >>> m = RevNet(ARCHS["revnet38"].scaled(0.25), num_classes=3)
+    >>> x = jnp.ones((2, 8, 8, 3))
+    >>> v = m.init(jax.random.key(0), x)
+    >>> parts = stage_stacks(m)
+    >>> keys = [s.key for s in parts.stages]
+    >>> rest = {k: p for k, p in v["params"].items() if k not in keys}
+    >>> h, stats = parts.embed(rest, v["batch_stats"], x)
+    >>> for s in parts.stages:
+    ...     if s.before is not None:
+    ...         h, stats = s.before(rest, stats, h)
+    ...     h, _ = jax.lax.scan(lambda h, pc: s.layer(*pc, h), h,
+    ...                         (v["params"][s.key], v["batch_stats"][s.key]))
+    >>> logits, _ = parts.head(rest, stats, h)
+    >>> want, _ = m.apply(v, x, train=True, mutable=["batch_stats"])
+    >>> bool(jnp.allclose(logits, want, atol=1e-5))
+    True
+    """
+    o, arch = module, module.arch
+    stream = o.dtype if o.recon_dtype is None else o.recon_dtype
+
+    def pair(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x1, x2 = jnp.split(x, 2, axis=-1)  # (B, H, W, C/2) each
+        return x1.astype(stream), x2.astype(stream)
+
+    def merged(h: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return jnp.concatenate(h, axis=-1).astype(o.dtype)  # (B, H, W, C)
+
+    def embed(rest: Any, stats: Any, images: jax.Array) -> tuple[Any, Any]:
+        stem = _conv(arch.stem, 3, 1, o.dtype, "stem")
+        return pair(stem.apply({"params": rest["stem"]}, images.astype(o.dtype))), stats
+
+    def head(rest: Any, stats: Any, h: Any) -> tuple[jax.Array, Any]:
+        unit = _Head(o.num_classes, True, o.dtype)
+        variables = {"params": rest["head"], "batch_stats": stats["head"]}
+        logits, new = unit.apply(variables, merged(h), mutable=["batch_stats"])
+        return logits, {**stats, "head": new["batch_stats"]}
+
+    stages, channels = [], arch.stem
+    for s, (n, width) in enumerate(zip(arch.units, arch.widths, strict=True)):
+        strides = 2 if s > 0 else 1
+        before = None
+        if strides != 1 or channels != width:
+            unit = RevDownsample(width, strides, arch.bottleneck, True, o.dtype)
+            before = rn.checkpoint(
+                partial(_unit, unit, f"stage{s}_down", pair, merged), policy=_policy(o.remat)
+            )
+            n -= 1
+        if n == 0:
+            raise ValueError(
+                f"revnet: stage {s} is its downsampling unit only, so it has no stack of layers "
+                "for the optimizer update inside the backward pass. Fix: "
+                "train.update_in_backward=false."
+            )
+        stages.append(_coupling_stage(o, f"stage{s}", width, before))
+        channels = width
+    return StageStacks(embed, tuple(stages), head)
+
+
+def _unit(
+    unit: fnn.Module, name: str, pair: Any, merged: Any, rest: Any, stats: Any, h: Any
+) -> tuple[Any, Any]:
+    """A downsampling unit on the stream ``h``, its batch statistics updated in ``stats``."""
+    variables = {"params": rest[name], "batch_stats": stats[name]}
+    y, new = unit.apply(variables, merged(h), mutable=["batch_stats"])
+    return pair(y), {**stats, name: new["batch_stats"]}
+
+
+def _coupling_stage(o: RevNet, key: str, width: int, before: Any) -> rn.FusedStage:
+    """A stage's stack of couplings as ``nn.ReversibleSequence`` runs them, in training mode."""
+    f, g = (ResidualFn(width // 2, 1, o.arch.bottleneck, dtype=o.dtype) for _ in "fg")
+    compute_dtype = None if o.recon_dtype is None else o.dtype
+    block = rnn.coupling_layer(
+        rnn.AdditiveCoupling(f, g),
+        compute_dtype=compute_dtype,
+        state_collections=("batch_stats",),
+        train=True,
+    )
+
+    def layer(p: Any, c: Any, h: Any) -> tuple[Any, Any]:
+        y, new = block.forward(p["layers"], {"batch_stats": c["layers"]}, h)
+        return y, {"layers": new["batch_stats"]}
+
+    def backward(p: Any, c: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
+        assert block.backward is not None  # a coupling's layer has its fused backward
+        h, dp, dh = block.backward(p["layers"], {"batch_stats": c["layers"]}, y, dy)
+        return h, {"layers": dp}, dh
+
+    return rn.FusedStage(key, layer, before=before, backward=backward if o.reversible else None)
+
+
 # --- registry ---------------------------------------------------------------------------------
 
 
@@ -235,5 +345,10 @@ def build_revnet(
 #: other form: their reversible stages keep nothing per unit already (reversible=false and
 #: anchor_every keep more), and their downsampling units are 2-3.
 SPECS: dict[str, ModelSpec] = family_specs(
-    "revnet", "RevNet", RevNetOptions, build_revnet, "reversible CIFAR RevNet (Gomez et al. 2017)"
+    "revnet",
+    "RevNet",
+    RevNetOptions,
+    build_revnet,
+    "reversible CIFAR RevNet (Gomez et al. 2017)",
+    stage_stacks=stage_stacks,
 )

@@ -53,6 +53,7 @@ from remat_nn.invertible import (
 )
 
 # --- the optimizer update inside the backward pass ----------------------------------------------
+from remat_nn._fused_stages import FusedStage, fused_update_stages
 from remat_nn._fused_update import FusedUpdateError, fused_update_step
 
 # --- comparing gradients -------------------------------------------------------------------------
@@ -74,7 +75,9 @@ from remat_nn._reversible import (
 
 __all__ = [
     "__version__",
+    "FusedStage",
     "FusedUpdateError",
+    "fused_update_stages",
     "fused_update_step",
     "ALIASES",
     "POLICIES",

@@ -323,17 +323,29 @@ class _Inputs:
 
     Rebuilt (``inverse_fn`` or ``backward_fn`` given), the reverse scan carries the output of
     layer ``i`` (``carry``) and inverts it with layer ``i``'s parameters before their update.
+    Functions that also take a layer's state (``(params, state, y)``, ``(params, state, y,
+    dy)``) are used through :meth:`bound`.
     """
 
     def __init__(
         self,
         saved: Any,
         carry: Any,
-        inverse_fn: Callable[[Any, Any], Any] | None,
-        backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None,
+        inverse_fn: Callable[..., Any] | None,
+        backward_fn: Callable[..., tuple[Any, Any, Any]] | None,
     ):
         self.saved, self.carry = saved, carry
         self.inverse_fn, self.backward_fn = inverse_fn, backward_fn
+
+    def bound(self, const: Any) -> _Inputs:
+        """These inputs for layer functions that also take a layer's state, given ``const``."""
+        inverse, backward = self.inverse_fn, self.backward_fn
+        return _Inputs(
+            self.saved,
+            self.carry,
+            None if inverse is None else lambda p, y: inverse(p, const, y),
+            None if backward is None else lambda p, y, dy: backward(p, const, y, dy),
+        )
 
     def input(self, stack: Any, layer: Any, carry: Any, i: jax.Array) -> tuple[Any, Any]:
         """Layer ``i``'s input, and the carry for layer ``i - 1``."""
@@ -408,7 +420,7 @@ def _segments(
 
 
 def _backward_update(
-    layer_fn: Callable[[Any, Any], Any],
+    layer_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
     split: Split,
     layout: _Layout,
@@ -417,18 +429,21 @@ def _backward_update(
     source: _Inputs,
     dh: Any,
     clip: Callable[[Any], Any] | None = None,
+    consts: Any = None,
 ) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array]]:
     """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
 
     Also carries the squared norms of the gradients and of the updates taken so far, and the
     input source's carry: a reversible layer's output (the next input is rebuilt from it), or
-    the current segment's recomputed inputs (``save_every``).
+    the current segment's recomputed inputs (``save_every``). With ``consts`` (the layers'
+    non-trainable state, stacked), the layer functions take layer ``i``'s slice of it.
     """
 
     def body(carry: Any, i: jax.Array) -> Any:
         stack, stacks, dh, sq, y = carry
         layer = _read(stack, i)
-        grad, dh, y = source.vjp(layer_fn, stack, layer, y, dh, i)
+        fn, src = _layer_at(layer_fn, source, consts, i)
+        grad, dh, y = src.vjp(fn, stack, layer, y, dh, i)
         grad = grad if clip is None else clip(grad)
         stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
@@ -437,6 +452,18 @@ def _backward_update(
     init = (stack, stacks, dh, (zero, zero), source.carry)
     stack, stacks, dh, sq, _ = _reverse_over_layers(body, init, stack)
     return stack, stacks, dh, sq
+
+
+def _layer_at(
+    layer_fn: Callable[..., Any], source: _Inputs, consts: Any, i: jax.Array
+) -> tuple[Callable[[Any, Any], Any], _Inputs]:
+    """``layer_fn`` and ``source`` as functions of (parameters, input) for layer ``i``: as they
+    are without ``consts``; else given layer ``i``'s state (its updated state is dropped: the
+    forward pass computed it, the backward's recomputation must not count it twice)."""
+    if consts is None:
+        return layer_fn, source
+    const = _read(consts, i)
+    return (lambda p, h: layer_fn(p, const, h)[0]), source.bound(const)
 
 
 def _gradient_norm(
@@ -451,15 +478,25 @@ def _gradient_norm(
     squares (layer by layer, then the embedding's and head's parameters, summed per leaf first:
     a leaf both use, e.g. tied embeddings, counts once)."""
 
+    dh, sq = _stack_norm(layer_fn, stack, source, dh)
+    (g_embed,) = embed_vjp(dh)
+    return jnp.sqrt(sq + _squared_norm(jax.tree.map(jnp.add, g_head, g_embed)))
+
+
+def _stack_norm(
+    layer_fn: Callable[..., Any], stack: Any, source: _Inputs, dh: Any, consts: Any = None
+) -> tuple[Any, jax.Array]:
+    """A backward pass over ``stack``: the input's cotangent and the gradient's squared norm."""
+
     def body(carry: Any, i: jax.Array) -> Any:
         dh, sq, y = carry
-        grad, dh, y = source.vjp(layer_fn, stack, _read(stack, i), y, dh, i)
+        fn, src = _layer_at(layer_fn, source, consts, i)
+        grad, dh, y = src.vjp(fn, stack, _read(stack, i), y, dh, i)
         return (dh, sq + _squared_norm(grad), y), None
 
     zero = jnp.zeros((), jnp.result_type(float))
     dh, sq, _ = _reverse_over_layers(body, (dh, zero, source.carry), stack)
-    (g_embed,) = embed_vjp(dh)
-    return jnp.sqrt(sq + _squared_norm(jax.tree.map(jnp.add, g_head, g_embed)))
+    return dh, sq
 
 
 def _clipped(tree: Any, *, g_norm: jax.Array, max_norm: float) -> Any:
@@ -604,12 +641,17 @@ def _transform_names(fn: Any, seen: set[int] | None = None) -> list[str]:
     return names
 
 
-def _check_element_wise(tx: optax.GradientTransformation, params: Any, layout: _Layout) -> None:
+def _check_element_wise(
+    tx: optax.GradientTransformation,
+    params: Any,
+    layout: _Layout,
+    where: str = "fused_update_step",
+) -> None:
     names = " ".join(_transform_names(tx.update))
     for name, alternative in _WHOLE_GRADIENT.items():
         if name in names:
             raise FusedUpdateError(
-                f"fused_update_step: optimizer contains optax.{name}, which reads the whole "
+                f"{where}: optimizer contains optax.{name}, which reads the whole "
                 f"gradient before updating any leaf, so it cannot run per layer inside the "
                 f"backward pass. Alternative: {alternative}."
             )
@@ -618,14 +660,14 @@ def _check_element_wise(tx: optax.GradientTransformation, params: Any, layout: _
             err = _probe(tx, params, layout)
     except Exception as e:  # noqa: BLE001 -- any failure of the split update is a refusal
         raise FusedUpdateError(
-            f"fused_update_step: optimizer {names.split()[0]} cannot be applied to one layer's "
+            f"{where}: optimizer {names.split()[0]} cannot be applied to one layer's "
             f"slice of the state ({type(e).__name__}: {e}). Per-layer updates need an "
             "element-wise optax transformation (sgd, adam, adamw, lion, ...) without masks given "
             "as pytrees; use the two-phase step (jax.grad, then tx.update) otherwise."
         ) from e
     if not err <= 1e-6:
         raise FusedUpdateError(
-            f"fused_update_step: optimizer {names.split()[0]} is not element-wise: on a probe, "
+            f"{where}: optimizer {names.split()[0]} is not element-wise: on a probe, "
             f"updating each layer separately differs from updating the whole stack (max-scaled "
             f"relative error {err:.3g}). It needs more than one leaf slice's gradient (a global "
             "norm, a trust ratio, an accumulation?): use per-layer clipping (optax.clip, "

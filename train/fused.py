@@ -1,15 +1,18 @@
 """``train.update_in_backward``: the train step with the optimizer update inside the backward.
 
 For a model whose blocks are one stack (``models.ModelSpec.layer_stack``), the step is
-:func:`remat_nn.fused_update_step`: each block's slice of the parameters and optimizer state is
-updated as soon as its gradient is known, so the full gradient never exists. The train state is
-the same pytree as the two-phase step's (:func:`train.state.make_train_step`), so checkpoints of
-either step resume with the other. :func:`refusal` lists the options it cannot run with.
+:func:`remat_nn.fused_update_step`; for stages of stacks with BatchNorm (``stage_stacks``, the
+RevNets), :func:`remat_nn.fused_update_stages`. Each block's slice of the parameters and
+optimizer state is updated as soon as its gradient is known, so the full gradient never exists.
+The train state is the same pytree as the two-phase step's (:func:`train.state.make_train_step`),
+so checkpoints of either step resume with the other. :func:`refusal` lists the options it
+cannot run with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -41,11 +44,11 @@ def refusal(cfg: Config, spec: models.ModelSpec, model: Any) -> str | None:
             "train.on_nonfinite=skip would undo an update, but a layer's update is written "
             "before the later layers' gradients are known (use train.on_nonfinite=halt)"
         )
-    if spec.layer_stack is None:
+    if spec.layer_stack is None and spec.stage_stacks is None:
         why.append(f"model {cfg.model.label!r} has no layer stack (a scan of layers)")
     else:
         try:
-            spec.layer_stack(model)
+            _parts(spec, model)
         except ValueError as e:
             why.append(str(e))
     if not why:
@@ -74,15 +77,22 @@ def train_step(
     why = refusal(cfg, spec, model)
     if why is not None:
         raise SetupError(why)
-    assert spec.layer_stack is not None  # refusal() checked it
     return make_fused_train_step(
-        spec.layer_stack(model),
+        _parts(spec, model),
         tx,
         schedule,
         compute_dtype=compute_dtype,
         loss=loss,
         clip_norm=cfg.optim.clip_norm,
     )
+
+
+def _parts(spec: models.ModelSpec, model: Any) -> models.LayerStack | models.StageStacks:
+    """The model's stack (``layer_stack``) or stages of stacks (``stage_stacks``)."""
+    if spec.layer_stack is not None:
+        return spec.layer_stack(model)
+    assert spec.stage_stacks is not None  # refusal() checked that the model has one
+    return spec.stage_stacks(model)
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
@@ -93,7 +103,7 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 
 
 def make_fused_train_step(
-    parts: models.LayerStack,
+    parts: models.LayerStack | models.StageStacks,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     *,
@@ -104,52 +114,22 @@ def make_fused_train_step(
     """``step(state, batch) -> (new_state, metrics)`` like :func:`train.state.make_train_step`.
 
     Same state and metrics; the parameters are cast to ``compute_dtype`` inside each part, as
-    the two-phase step casts them before ``model.apply``. Jit it with ``donate_argnums=0``.
+    the two-phase step casts them before ``model.apply``. A model of several stacks
+    (:class:`models.StageStacks`) also carries its BatchNorm statistics: the new
+    ``batch_stats`` are the forward pass's, in the state's dtypes. Jit it with
+    ``donate_argnums=0``.
 
     Raises:
       SetupError: (on the first trace) the optimizer is not element-wise.
     """
-
-    def embed(rest: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        x = batch["x"]
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(compute_dtype)
-        return parts.embed(cast_floats(rest, compute_dtype), x)
-
-    def layer(params: Any, h: jax.Array) -> jax.Array:
-        return parts.layer(cast_floats(params, compute_dtype), h)
-
-    def head(rest: Any, h: jax.Array, batch: dict[str, jax.Array]) -> Any:
-        outputs = parts.head(cast_floats(rest, compute_dtype), h)
-        per_example, metrics = loss(outputs.astype(jnp.float32), batch["y"])
-        return jnp.mean(per_example), {
-            k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()
-        }
-
-    def backward(params: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
-        assert parts.backward is not None
-        cast, cast_vjp = jax.vjp(lambda p: cast_floats(p, compute_dtype), params)
-        h, d_cast, dh = parts.backward(cast, y, dy)
-        return h, cast_vjp(d_cast)[0], dh
-
-    fused = rn.fused_update_step(
-        embed,
-        layer,
-        head,
-        tx,
-        stack_key=parts.key,
-        has_aux=True,
-        norms=True,
-        backward_fn=None if parts.backward is None else backward,
-        save_every=parts.save_every,
-        clip_norm=clip_norm,
-    )
+    make = _stages_step if isinstance(parts, models.StageStacks) else _stack_step
+    fused = make(parts, tx, compute_dtype=compute_dtype, loss=loss, clip_norm=clip_norm)
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))  # as the two-phase step
         try:
-            params, opt_state, (value, loss_metrics), norms = fused(
-                state.params, state.opt_state, batch
+            params, opt_state, batch_stats, (value, loss_metrics), norms = fused(
+                state.params, state.opt_state, state.batch_stats, batch
             )
         except rn.FusedUpdateError as e:
             raise SetupError(f"{_OPTION}: {e}") from None
@@ -163,7 +143,7 @@ def make_fused_train_step(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
-            batch_stats=state.batch_stats,
+            batch_stats=jax.tree.map(_like, batch_stats, state.batch_stats),
             rng=jax.random.key_data(rng),
         )
         metrics = {
@@ -176,3 +156,108 @@ def make_fused_train_step(
         return new_state, metrics
 
     return step
+
+
+def _like(new: jax.Array, old: jax.Array) -> jax.Array:
+    return new.astype(old.dtype)
+
+
+def _loss_head(loss: losses_lib.LossFn, outputs: Any, batch: dict[str, jax.Array]) -> Any:
+    """The batch-mean loss and metrics of the model's outputs, as the two-phase step's."""
+    per_example, metrics = loss(outputs.astype(jnp.float32), batch["y"])
+    return jnp.mean(per_example), {k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()}
+
+
+def _inputs(batch: dict[str, jax.Array], compute_dtype: Any) -> jax.Array:
+    x = batch["x"]
+    return x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _cast_backward(backward: Callable[..., Any], compute_dtype: Any) -> Callable[..., Any]:
+    """A fused inverse-and-VJP of float32 parameters from one of compute-dtype parameters."""
+
+    def cast_backward(params: Any, *args: Any) -> tuple[Any, Any, Any]:
+        cast, cast_vjp = jax.vjp(lambda p: cast_floats(p, compute_dtype), params)
+        h, d_cast, dh = backward(cast, *args)
+        return h, cast_vjp(d_cast)[0], dh
+
+    return cast_backward
+
+
+def _stack_step(
+    parts: models.LayerStack,
+    tx: optax.GradientTransformation,
+    *,
+    compute_dtype: Any,
+    loss: losses_lib.LossFn,
+    clip_norm: float | None,
+) -> Callable[..., tuple[Any, ...]]:
+    """``(params, opt_state, batch_stats, batch) -> (params, opt_state, batch_stats, (loss,
+    metrics), norms)`` over one stack (:func:`remat_nn.fused_update_step`); no batch stats."""
+
+    def embed(rest: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return parts.embed(cast_floats(rest, compute_dtype), _inputs(batch, compute_dtype))
+
+    def layer(params: Any, h: jax.Array) -> jax.Array:
+        return parts.layer(cast_floats(params, compute_dtype), h)
+
+    def head(rest: Any, h: jax.Array, batch: dict[str, jax.Array]) -> Any:
+        return _loss_head(loss, parts.head(cast_floats(rest, compute_dtype), h), batch)
+
+    fused = rn.fused_update_step(
+        embed,
+        layer,
+        head,
+        tx,
+        stack_key=parts.key,
+        has_aux=True,
+        norms=True,
+        backward_fn=parts.backward and _cast_backward(parts.backward, compute_dtype),
+        save_every=parts.save_every,
+        clip_norm=clip_norm,
+    )
+
+    def step(params: Any, opt_state: Any, batch_stats: Any, batch: Any) -> tuple[Any, ...]:
+        params, opt_state, value, norms = fused(params, opt_state, batch)
+        return params, opt_state, batch_stats, value, norms
+
+    return step
+
+
+def _stages_step(
+    parts: models.StageStacks,
+    tx: optax.GradientTransformation,
+    *,
+    compute_dtype: Any,
+    loss: losses_lib.LossFn,
+    clip_norm: float | None,
+) -> Callable[..., tuple[Any, ...]]:
+    """The same over several stacks with batch statistics (:func:`remat_nn.fused_update_stages`)."""
+    cast = partial(cast_floats, dtype=compute_dtype)
+
+    def embed(rest: Any, stats: Any, batch: dict[str, jax.Array]) -> Any:
+        return parts.embed(cast(rest), stats, _inputs(batch, compute_dtype))
+
+    def head(rest: Any, stats: Any, h: Any, batch: dict[str, jax.Array]) -> Any:
+        outputs, stats = parts.head(cast(rest), stats, h)
+        return _loss_head(loss, outputs, batch), stats
+
+    def stage(s: rn.FusedStage) -> rn.FusedStage:
+        before = s.before
+        return rn.FusedStage(
+            s.key,
+            lambda p, c, h: s.layer(cast(p), c, h),
+            before=None if before is None else lambda r, c, h: before(cast(r), c, h),
+            inverse=None if s.inverse is None else lambda p, c, y: s.inverse(cast(p), c, y),
+            backward=None if s.backward is None else _cast_backward(s.backward, compute_dtype),
+        )
+
+    return rn.fused_update_stages(
+        embed,
+        [stage(s) for s in parts.stages],
+        head,
+        tx,
+        has_aux=True,
+        norms=True,
+        clip_norm=clip_norm,
+    )

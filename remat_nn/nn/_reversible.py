@@ -87,19 +87,29 @@ def _block(
 
 
 def coupling_layer(
-    coupling: Coupling, *, compute_dtype: Any = None, **kwargs: Any
+    coupling: Coupling,
+    *,
+    compute_dtype: Any = None,
+    state_collections: Sequence[str] = (),
+    **kwargs: Any,
 ) -> ReversibleBlock:
     """One layer of a :class:`ReversibleSequence` of ``coupling``, as the sequence runs it.
 
     For a caller that scans the layers itself (e.g. :func:`remat_nn.fused_update_step`'s
     ``backward_fn``): ``forward`` / ``inverse`` / the fused ``backward`` over one layer's
-    parameters, with F and G computing in ``compute_dtype`` (None: the stream's dtype). The
-    ``consts`` arguments are ignored: no per-layer state (BatchNorm) or random numbers.
+    parameters, with F and G computing in ``compute_dtype`` (None: the stream's dtype). Without
+    ``state_collections`` the ``consts`` arguments are ignored (pass None); with them,
+    ``consts`` is one layer's variables of those collections (``{"batch_stats": ...}``), and
+    ``forward`` returns the updated ones (training-mode BatchNorm's running averages), as the
+    sequence's forward pass does; ``inverse`` and ``backward`` run with ``consts`` and drop
+    their updates. No random numbers (dropout) are drawn.
 
     Args:
       coupling: the layer, an :class:`AdditiveCoupling` / :class:`AffineCoupling`.
       compute_dtype: the dtype F and G receive their inputs in (the sequence's, under
         ``recon_dtype``: the input's dtype).
+      state_collections: the non-parameter collections F and G read and update, e.g.
+        ``("batch_stats",)``.
       **kwargs: static keyword arguments for F and G (e.g. ``train=True``).
     """
     if not isinstance(coupling, Coupling):
@@ -107,14 +117,22 @@ def coupling_layer(
             f"coupling_layer: `coupling` must be a coupling module, got "
             f"{type(coupling).__name__}. Fix: nn.AdditiveCoupling(F(), G())."
         )
-    block = _block(coupling.copy(parent=None), kwargs, [], compute_dtype)
-    consts = {"state": {}, "rngs": {}}
+    cols = list(state_collections)
+    block = _block(coupling.copy(parent=None), kwargs, cols, compute_dtype)
     backward = block.backward
     assert backward is not None  # a coupling's block has its fused backward
+
+    def consts(state: Any) -> dict[str, Any]:
+        return {"state": state if cols else {}, "rngs": {}}
+
+    def forward(p: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        y, new = block.forward(p, consts(state), x)
+        return y, new["state"] if cols else state
+
     return ReversibleBlock(
-        lambda p, _, x: block.forward(p, consts, x),
-        lambda p, _, y: block.inverse(p, consts, y),
-        lambda p, _, y, dy: backward(p, consts, y, dy),
+        forward,
+        lambda p, state, y: block.inverse(p, consts(state), y),
+        lambda p, state, y, dy: backward(p, consts(state), y, dy),
     )
 
 
