@@ -55,7 +55,11 @@ def run(quick: bool = False) -> Result:
         label: rn.explain_peak(train_step, state, model.tokens, jit_kwargs=kw) for label, kw in jits
     }
     # Before the donated run below consumes model.params.
-    fused_lines, fused_targets = _fused_section(model, tx, mems["not donated"], quick)
+    # The backward's working set the non-donated step keeps in its fresh output buffers.
+    hidden = sum(
+        b.nbytes for b in peaks["not donated"].buffers if b.category == "output" and b.holds
+    )
+    fused_lines, fused_targets = _fused_section(model, tx, mems, hidden, quick)
     fused_lines += _clip_section(model, tx, quick)
     fused_lines += _stack_forms_section(model, tx, quick)
     fused_lines += _revnet_section(tx, quick)
@@ -279,10 +283,17 @@ def _runner(advance: Callable[[Any], Any], state: Any) -> Callable[[], Any]:
 
 
 def _fused_section(
-    model: wl.LM, tx: optax.GradientTransformation, plain: rn.CompiledMemory, quick: bool
+    model: wl.LM,
+    tx: optax.GradientTransformation,
+    mems: dict[str, rn.CompiledMemory],
+    hidden: int,
+    quick: bool,
 ) -> tuple[list[str], list[Target]]:
-    """The donated fused step against the non-donated and donated two-phase steps."""
+    """The donated fused step against the non-donated and donated two-phase steps (``mems``);
+    ``hidden``: the bytes of the non-donated step's backward held in its output buffers."""
     from models import transformer as tf
+
+    plain, donated = mems["not donated"], mems["donate_argnums=0"]
 
     step = _lm_fused_step(model, tx, tf.remat_plan("full"))
     params = model.params
@@ -303,6 +314,8 @@ def _fused_section(
     model_loss = jax.jit(model.loss)(model.params, model.tokens)
     loss_err = float(rn.relative_error(loss, model_loss))
     saving = plain.peak_bytes - fused.peak_bytes
+    below_donated = donated.peak_bytes - fused.peak_bytes
+    grads = wl.tree_bytes(params)  # the gradient stack of the two-phase step
     peak = rn.explain_peak(step, params, opt_state, model.tokens, jit_kwargs=donate)
     grad_bytes = sum(b.nbytes for b in peak.buffers if b.category == "gradient")
 
@@ -346,6 +359,21 @@ def _fused_section(
         f"and weight gradients of one block; no stack of weight gradients. Step time fused / "
         f"donated two-phase: {ratio:.3f} "
         f"({timed.noise_text()}).",
+        "",
+        f"Peak below the donated two-phase step's: {format_bytes(below_donated)} = "
+        f"{below_donated / grads:.1%} of bytes(params) = {format_bytes(grads)}, the gradient "
+        "stack the fused step does without. Against the non-donated step: both write the "
+        "new state, so the saving is that step's temp less the fused step's, plus its "
+        "output bytes (less the fused step's own unaliased outputs, "
+        f"{format_bytes(fused.output_size_in_bytes - fused.alias_size_in_bytes)}): "
+        f"{format_bytes(plain.temp_size_in_bytes)} - "
+        f"{format_bytes(fused.temp_size_in_bytes)} + "
+        f"{format_bytes(plain.output_size_in_bytes)}. The fused step's temp is one block's "
+        "backward working set; the non-donated step's temp is lower than its working set by "
+        f"the {format_bytes(hidden)} it keeps in its fresh output buffers (the output "
+        "allocations above), scratch until the new state is written. 90% of bytes(state) "
+        "needs the fused temp at most the non-donated temp + 10% of bytes(state): "
+        f"{format_bytes(plain.temp_size_in_bytes + state_bytes // 10)}.",
         "",
         "```",
         *str(peak).splitlines()[:12],
