@@ -300,7 +300,8 @@ def stage_stacks(module: ResNet) -> StageStacks:
         raise ValueError(_NEEDS_SCAN_UNITS.format(why="scan_units=false", fix=""))
     if o.scan_levels is not None:
         why = f"scan_levels={o.scan_levels} (a nested scan; the fused step saves each unit's input)"
-        raise ValueError(_NEEDS_SCAN_UNITS.format(why=why, fix=" with scan_levels=null"))
+        fix = " and model.options.scan_levels=null"
+        raise ValueError(_NEEDS_SCAN_UNITS.format(why=why, fix=fix))
 
     def embed(rest: Any, stats: Any, images: jax.Array) -> tuple[jax.Array, Any]:
         stem = _conv(arch.stem, 3, 1, o.dtype, "stem")
