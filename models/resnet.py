@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import flax.linen as fnn
@@ -43,7 +44,7 @@ from models._cifar import (
     _policy,
     family_specs,
 )
-from models._spec import ModelSpec, check_scan_levels, nesting_holds_fewer
+from models._spec import ModelSpec, StageStacks, check_scan_levels, nesting_holds_fewer
 from remat_nn import nn as rnn
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "build_resnet",
     "convert_units",
     "resnet_variants",
+    "stage_stacks",
 ]
 
 
@@ -254,6 +256,100 @@ class ResNet(fnn.Module):
         return x
 
 
+# --- the stages as stacks, for the optimizer update inside the backward pass ---------------------
+
+_NEEDS_SCAN_UNITS = (
+    "resnet: the optimizer update inside the backward pass needs each stage's identical units as "
+    "one scan over stacked parameters, but the model has {why}. Fix: "
+    "model.options.scan_units=true{fix}, or train.update_in_backward=false."
+)
+
+
+def stage_stacks(module: ResNet) -> StageStacks:
+    """The ResNet as stem, stages (first unit, stack of identical units) and head.
+
+    The same computation as ``module.apply(variables, images, train=True,
+    mutable=["batch_stats"])``, for :func:`remat_nn.fused_update_stages`: the stacks are the
+    ``nn.scan`` of ``scan_units`` (``params["stage1"]``, a leading unit axis); a unit that
+    changes the width or resolution (``stage{s}_0``) runs before its stage's stack. Every unit
+    is under the model's remat plan; the stacked units' inputs are saved.
+
+    Raises:
+      ValueError: ``scan_units`` is off (no stacks), ``scan_levels`` is set (the fused step
+        saves every unit's input), or a stage has no identical units to stack.
+
+    >>> m = ResNet(ARCHS["resnet32"].scaled(0.25), num_classes=3, scan_units=True)
+    >>> x = jnp.ones((2, 8, 8, 3))
+    >>> v = m.init(jax.random.key(0), x)
+    >>> parts = stage_stacks(m)
+    >>> keys = [s.key for s in parts.stages]
+    >>> rest = {k: p for k, p in v["params"].items() if k not in keys}
+    >>> h, stats = parts.embed(rest, v["batch_stats"], x)
+    >>> for s in parts.stages:
+    ...     if s.before is not None:
+    ...         h, stats = s.before(rest, stats, h)
+    ...     h, _ = jax.lax.scan(lambda h, pc: s.layer(*pc, h), h,
+    ...                         (v["params"][s.key], v["batch_stats"][s.key]))
+    >>> logits, _ = parts.head(rest, stats, h)
+    >>> want, _ = m.apply(v, x, train=True, mutable=["batch_stats"])
+    >>> bool(jnp.allclose(logits, want, atol=1e-5))
+    True
+    """
+    o, arch = module, module.arch
+    if not o.scan_units:
+        raise ValueError(_NEEDS_SCAN_UNITS.format(why="scan_units=false", fix=""))
+    if o.scan_levels is not None:
+        why = f"scan_levels={o.scan_levels} (a nested scan; the fused step saves each unit's input)"
+        fix = " and model.options.scan_levels=null"
+        raise ValueError(_NEEDS_SCAN_UNITS.format(why=why, fix=fix))
+
+    def embed(rest: Any, stats: Any, images: jax.Array) -> tuple[jax.Array, Any]:
+        stem = _conv(arch.stem, 3, 1, o.dtype, "stem")
+        return stem.apply({"params": rest["stem"]}, images.astype(o.dtype)), stats
+
+    def head(rest: Any, stats: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+        variables = {"params": rest["head"], "batch_stats": stats["head"]}
+        logits, new = _Head(o.num_classes, True, o.dtype).apply(
+            variables, h, mutable=["batch_stats"]
+        )
+        return logits, {**stats, "head": new["batch_stats"]}
+
+    stages = []
+    for s, (n, width) in enumerate(zip(arch.units, arch.widths, strict=True)):
+        first = _first_scanned(arch, s)
+        if n == first:
+            why = f"a stage of one unit (stage {s}: nothing to stack)"
+            raise ValueError(_NEEDS_SCAN_UNITS.format(why=why, fix=""))
+        before = None
+        if first:
+            unit = ResidualUnit(width, 2 if s > 0 else 1, arch.bottleneck, True, o.dtype)
+            before = rn.checkpoint(partial(_unit, unit, f"stage{s}_0"), policy=_policy(o.remat))
+        stages.append(rn.FusedStage(f"stage{s}", _stacked_unit(o, width), before=before))
+    return StageStacks(embed, tuple(stages), head)
+
+
+def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> tuple[Any, Any]:
+    """A stage's first unit on ``h``, its batch statistics updated in ``stats``."""
+    variables = {"params": rest[name], "batch_stats": stats[name]}
+    y, new = unit.apply(variables, h, mutable=["batch_stats"])
+    return y, {**stats, name: new["batch_stats"]}
+
+
+def _stacked_unit(o: ResNet, width: int) -> Any:
+    """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
+    under the model's remat plan as ``nn.scan`` runs it."""
+    cls = ResidualUnit
+    if o.remat is not None:
+        cls = rnn.remat(ResidualUnit, policy=o.remat, prevent_cse=False)
+    unit = cls(width, 1, o.arch.bottleneck, True, o.dtype)
+
+    def layer(p: Any, c: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+        y, new = unit.apply({"params": p, "batch_stats": c}, h, mutable=["batch_stats"])
+        return y, new["batch_stats"]
+
+    return layer
+
+
 _SCAN_LEVELS_NEEDS_SCAN = (
     "{where}scan_levels={levels!r} nests the scan of scan_units, but scan_units is off. Fix: "
     "set scan_units=True with scan_levels (e.g. scan_units=True, scan_levels=2), or drop "
@@ -354,4 +450,5 @@ SPECS: dict[str, ModelSpec] = family_specs(
     build_resnet,
     "pre-activation CIFAR ResNet (He et al. 2016)",
     resnet_variants,
+    stage_stacks=stage_stacks,
 )

@@ -193,15 +193,16 @@ def test_fused_step_equals_two_phase_step_bf16_compute():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fused.params))
 
 
-def _revnet_steps(model, optim: Optim, n=3):
-    """The fused and the two-phase state of a float64 RevNet after ``n`` steps (call under x64)."""
+def _stage_steps(model, optim: Optim, n=3, name="revnet38"):
+    """The fused and the two-phase state of a float64 CNN of stages (registered as ``name``)
+    after ``n`` steps (call under x64)."""
     tx, schedule = state_lib.make_optimizer(optim, 10)
     example = jax.ShapeDtypeStruct((B, 8, 8, 3), jnp.float64)
     state = jax.jit(state_lib.make_init(model, tx, example, seed=0))()
     state = jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, state)
     steps = {
         "fused": fused_lib.make_fused_train_step(
-            models.get("revnet38").stage_stacks(model), tx, schedule, compute_dtype=jnp.float64
+            models.get(name).stage_stacks(model), tx, schedule, compute_dtype=jnp.float64
         ),
         "two_phase": state_lib.make_train_step(
             model, tx, schedule, compute_dtype=jnp.float64, has_batch_stats=True
@@ -246,7 +247,7 @@ def test_revnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
             recon_dtype=jnp.float64,
             remat=rn.plan({"default": "recompute"}),
         )
-        out = _revnet_steps(model, optim)
+        out = _stage_steps(model, optim)
         (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
         errs = [_err64(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
         errs.append(_err64(fused.batch_stats, ref.batch_stats))
@@ -254,6 +255,49 @@ def test_revnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert max(errs) <= 1e-6
     assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9
+
+
+@pytest.mark.parametrize(
+    "optim",
+    [
+        Optim(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
+        Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1),
+    ],
+    ids=["sgd_nesterov", "adamw"],
+)
+def test_resnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
+    # ResNet with scan_units: per stage a first unit, then the stack of the scanned units.
+    from models.resnet import ARCHS, ResNet
+
+    with jax.enable_x64(True):
+        model = ResNet(
+            ARCHS["resnet32"].scaled(0.25),
+            dtype=jnp.float64,
+            remat=rn.plan({"default": "recompute"}),
+            scan_units=True,
+        )
+        out = _stage_steps(model, optim, name="resnet32")
+        (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
+        errs = [_err64(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
+        errs.append(_err64(fused.batch_stats, ref.batch_stats))
+    print(f"resnet32/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
+    assert jax.tree.structure(fused) == jax.tree.structure(ref)
+    assert max(errs) <= 1e-6
+    assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9
+
+
+def test_resnet_cli_run_updates_in_the_backward(tmp_path):
+    # configs/resnet.yaml with scan_units (its stacks) and the fused step, at a quarter width.
+    args = ["--config", str(ROOT / "configs/resnet.yaml"), "train.update_in_backward=true"]
+    args += ["train.steps=3", "train.plot=false", "model.options.width=0.25", "data.batch_size=16"]
+    code, out = run_in_process(
+        [*args, f"run_dir={tmp_path / 'a'}", "model.options.scan_units=true"]
+    )
+    assert code == 0, out
+    assert "done: 3 steps" in out
+    code, out = run_in_process([*args, f"run_dir={tmp_path / 'b'}"])  # unscanned: no stacks
+    assert code == 2, out
+    assert "scan_units=false" in out and "Fix: model.options.scan_units=true" in out
 
 
 def test_revnet_cli_run_updates_in_the_backward(tmp_path):

@@ -312,7 +312,8 @@ class Train(_Section):
         False,
         description="apply the optimizer to each block's parameters inside the backward pass, as "
         "soon as its gradient is known, so the full gradient never exists (rn.fused_update_step; "
-        "the scanned, nested or reversible transformer, the RevNets; optim.clip_norm costs a "
+        "the scanned, nested or reversible transformer, the RevNets, the ResNets with "
+        "scan_units; optim.clip_norm costs a "
         "second backward pass; no train.grad_accum, on_nonfinite=skip or dropout); the same "
         "state as the "
         "two-phase step, so either resumes the other",
