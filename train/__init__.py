@@ -11,7 +11,8 @@ One module per responsibility, in the order a run uses them:
 - ``experiment``: the :class:`~train.experiment.Experiment` built from the config (data, model,
   mesh, optimizer, compiled donated step); ``dry_run`` reports on it.
 - ``remat`` / ``autoplan``: the config's remat plan, and ``policy: auto`` by the budget planner.
-- ``data/``: one loader per data source, and the grain batch pipeline; ``losses``: the loss and its metrics.
+- ``data/``: one loader per data source, and the grain batch pipeline; ``losses``: the loss
+  and its metrics.
 - ``state``: the train state, optimizer and step functions; ``fused``: the update in the
   backward; ``sharding``: mesh, shardings, multi-process start; ``dtypes``: matmul dtypes.
 - ``donation``: the proofs that the step donates the state, and the buffer refit after a restore.
