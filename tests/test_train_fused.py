@@ -370,19 +370,25 @@ def test_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path):
     assert err <= 1e-6
 
 
-def test_revnet_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path):
-    # As above for a RevNet (configs/revnet.yaml at a quarter width), legs of one step: the
-    # checkpoints carry the BatchNorm statistics, which the fused leg updates as the two-phase
-    # legs do. Not bit for bit: in float32 the fused step differs from the two-phase step in the
-    # last bits, and BatchNorm over the digits' constant border pixels amplifies round-off over
-    # steps: the same network under plain autodiff (reversible=false) differs from the
-    # two-phase run as much (measured: 1.3e-5 in the optimizer state after 3 steps, 3e-2 in
-    # the parameters after 5, as the fused run).
+@pytest.mark.parametrize(
+    "config, options",
+    [("revnet", []), ("resnet", ["model.options.scan_units=true"])],
+    ids=["revnet", "resnet"],
+)
+def test_cnn_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path, config, options):
+    # As above for a RevNet and a ResNet (configs/<name>.yaml at a quarter width), legs of one
+    # step: the checkpoints carry the BatchNorm statistics, which the fused leg updates as the
+    # two-phase legs do. Not bit for bit: in float32 the fused step differs from the two-phase
+    # step in the last bits, and BatchNorm over the digits' constant border pixels amplifies
+    # round-off over steps: the same RevNet under plain autodiff (reversible=false) differs
+    # from the two-phase run as much (measured: 1.3e-5 in the optimizer state after 3 steps,
+    # 3e-2 in the parameters after 5, as the fused run).
     def cfg(path, *overrides):
         return load_config(
-            ROOT / "configs/revnet.yaml",
+            ROOT / f"configs/{config}.yaml",
             [
                 f"run_dir={path}",
+                *options,
                 "model.options.width=0.25",
                 "data.batch_size=16",
                 "train.steps=3",
@@ -403,7 +409,7 @@ def test_revnet_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path
         _state_err(got.state, want),
         float(rn.relative_error(got.state.batch_stats, want.batch_stats)),
     )
-    print(f"revnet: two-phase, fused, two-phase legs vs one two-phase run: rel err {err:.3g}")
+    print(f"{config}: two-phase, fused, two-phase legs vs one two-phase run: rel err {err:.3g}")
     assert err <= 1e-4
 
 
