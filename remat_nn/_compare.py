@@ -14,7 +14,8 @@ def relative_error(got: Any, want: Any, *, floor: float = 0.0) -> float:
     Gradients computed two ways (reconstructed vs stored, remat vs not, another CPU) differ in
     the last bits, and an elementwise ``rtol`` fails wherever a value happens to be near 0. This
     error scales each leaf's difference by that leaf's largest value instead; on a
-    well-conditioned example (small init) float32 agreement is about ``1e-6``.
+    well-conditioned example (small init) float32 agreement is about ``1e-6``. Computed on the
+    host in float64, so float64 trees are compared at their own precision.
 
     Args:
       got: a pytree of arrays.
@@ -57,8 +58,10 @@ def relative_error(got: Any, want: Any, *, floor: float = 0.0) -> float:
 
 
 def _host(x: Any) -> np.ndarray:
-    # On the host in float32: the two trees may live on different devices or meshes.
-    return np.asarray(jax.device_get(x), np.float32)
+    # On the host (the two trees may live on different devices or meshes), in float64: the
+    # difference of two float32 (or 16-bit) values is exact there, and float64 trees keep
+    # their own precision (float32 would hide everything below ~6e-8).
+    return np.asarray(jax.device_get(x), np.float64)
 
 
 def _largest(x: Any) -> float:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import remat_nn as rn
+from tests.gradients import rel_err
 
 LA, LB, D, B = 3, 2, 8, 6
 STEPS = 5
@@ -130,17 +130,6 @@ OPTIMIZERS = {
     "adamw": lambda: optax.adamw(optax.linear_schedule(1e-2, 1e-3, STEPS), weight_decay=0.1),
     "lion": lambda: optax.lion(1e-3, weight_decay=0.01),
 }
-
-
-def rel_err(got, want):
-    """``rn.relative_error`` in float64 (it compares in float32, blind below ~6e-8)."""
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        scale = np.max(np.abs(b), initial=0.0)
-        diff = np.max(np.abs(a - b), initial=0.0)
-        worst = max(worst, float(diff / scale if scale else diff))
-    return worst
 
 
 def run(step, params, opt_state, state, x, n=STEPS):

@@ -139,15 +139,6 @@ def _adamw_steps(k: int, dtype, *, steps: int = 4, reverse: bool = False):
     return run(params)
 
 
-def _relative_error_f64(got, want) -> float:
-    # rn.relative_error compares in float32, which would hide float64 round-off.
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    return max(
-        float(np.max(np.abs(np.float64(g) - np.float64(w))) / np.max(np.abs(np.float64(w))))
-        for g, w in pairs
-    )
-
-
 def test_grad_accum_adamw_steps_are_the_large_batch_steps_up_to_round_off():
     # Accumulating sums the examples in another order; adam's m / sqrt(v) passes a gradient's
     # relative round-off on to the update. In float64 the 4 steps agree to round-off; in
@@ -156,7 +147,7 @@ def test_grad_accum_adamw_steps_are_the_large_batch_steps_up_to_round_off():
     with jax.enable_x64(True):
         want = _adamw_steps(1, jnp.float64)
         assert jax.tree.leaves(want)[0].dtype == jnp.float64
-        assert _relative_error_f64(_adamw_steps(4, jnp.float64), want) <= 1e-14
+        assert rel_err(_adamw_steps(4, jnp.float64), want) <= 1e-14
     want = _adamw_steps(1, jnp.float32)
     reordered = rel_err(_adamw_steps(1, jnp.float32, reverse=True), want)
     accumulated = rel_err(_adamw_steps(4, jnp.float32), want)

@@ -19,6 +19,7 @@ import yaml
 import models
 import remat_nn as rn
 from models import transformer as tf
+from tests.gradients import rel_err
 from tests.trainer_cli import ROOT, run_in_process, shared_compilation_cache
 from train import fused as fused_lib
 from train import loop, run_dir
@@ -219,13 +220,6 @@ def _stage_steps(model, optim: Optim, n=3, name="revnet38"):
     return out
 
 
-def _err64(got, want) -> float:
-    """max|a - b| / max|b| per leaf in float64 (rn.relative_error compares in float32)."""
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    errs = [np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)) for a, b in pairs]
-    return float(max(errs))
-
-
 @pytest.mark.parametrize(
     "optim",
     [
@@ -249,8 +243,8 @@ def test_revnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
         )
         out = _stage_steps(model, optim)
         (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-        errs = [_err64(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
-        errs.append(_err64(fused.batch_stats, ref.batch_stats))
+        errs = [rel_err(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
+        errs.append(rel_err(fused.batch_stats, ref.batch_stats))
     print(f"revnet38/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert max(errs) <= 1e-6
@@ -278,8 +272,8 @@ def test_resnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
         )
         out = _stage_steps(model, optim, name="resnet32")
         (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-        errs = [_err64(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
-        errs.append(_err64(fused.batch_stats, ref.batch_stats))
+        errs = [rel_err(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
+        errs.append(rel_err(fused.batch_stats, ref.batch_stats))
     print(f"resnet32/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert max(errs) <= 1e-6

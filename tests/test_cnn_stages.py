@@ -1,47 +1,54 @@
-"""models.resnet.stage_stacks: a ResNet with scan_units as stem, stages of unit stacks and head.
+"""models.revnet.stage_stacks and models.resnet.stage_stacks: a RevNet, and a ResNet with
+scan_units, as stem, stages of stacks (couplings, or scanned units) and head.
 
 Composed, the parts equal ``module.apply(..., train=True, mutable=["batch_stats"])`` (logits and
 new batch statistics); the fused step over them (``rn.fused_update_stages``) equals the
 two-phase step (``jax.grad`` through ``module.apply``, then ``optimizer.update``) on a tiny
-float64 ResNet-32: parameters, optimizer state and batch statistics after 3 steps. Layouts
-without stacks are refused, naming the option.
+float64 RevNet-38 and ResNet-32: parameters, optimizer state and batch statistics after 3 steps.
+ResNet layouts without stacks are refused, naming the option.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import remat_nn as rn
-from models.resnet import ARCHS, ResNet, stage_stacks
+from models import resnet, revnet
+from tests.gradients import rel_err
 
 B, HW, CLASSES, STEPS = 4, 8, 3, 3
 
+#: Each family at a quarter width, as a float64 module of the given options.
+FAMILIES = {
+    "revnet": (
+        revnet,
+        lambda **kw: revnet.RevNet(
+            revnet.ARCHS["revnet38"].scaled(0.25),
+            num_classes=CLASSES,
+            dtype=jnp.float64,
+            recon_dtype=jnp.float64,
+            **kw,
+        ),
+    ),
+    "resnet": (
+        resnet,
+        lambda **kw: resnet.ResNet(
+            resnet.ARCHS["resnet32"].scaled(0.25),
+            num_classes=CLASSES,
+            dtype=jnp.float64,
+            scan_units=True,
+            **kw,
+        ),
+    ),
+}
 
-def rel_err(got, want):
-    """max|a - b| / max|b| per leaf, in float64 (``rn.relative_error`` compares in float32)."""
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        scale = np.max(np.abs(b), initial=0.0)
-        diff = np.max(np.abs(a - b), initial=0.0)
-        worst = max(worst, float(diff / scale if scale else diff))
-    return worst
 
-
-def make(**kwargs):
-    """A float64 ResNet-32 at a quarter width with scanned units, its variables and a batch
-    (call under x64)."""
-    m = ResNet(
-        ARCHS["resnet32"].scaled(0.25),
-        num_classes=CLASSES,
-        dtype=jnp.float64,
-        scan_units=True,
-        **kwargs,
-    )
+def make(family, **kwargs):
+    """A float64 module of ``family``, its variables and a batch (call under x64)."""
+    m = FAMILIES[family][1](**kwargs)
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (B, HW, HW, 3), jnp.float64)
     y = jax.random.randint(k[1], (B,), 0, CLASSES)
@@ -71,8 +78,8 @@ def two_phase(m, tx):
     return step
 
 
-def fused(m, tx):
-    parts = stage_stacks(m)
+def fused(family, m, tx):
+    parts = FAMILIES[family][0].stage_stacks(m)
 
     def head(rest, stats, h, batch):
         logits, stats = parts.head(rest, stats, h)
@@ -91,10 +98,11 @@ def run(step, v, tx, batch):
     return params, opt_state, stats, loss
 
 
-def test_composed_parts_equal_module_apply_float64():
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_composed_parts_equal_module_apply_float64(family):
     with jax.enable_x64(True):
-        m, v, batch = make()
-        parts = stage_stacks(m)
+        m, v, batch = make(family)
+        parts = FAMILIES[family][0].stage_stacks(m)
         keys = [s.key for s in parts.stages]
         rest = {k: p for k, p in v["params"].items() if k not in keys}
         h, stats = parts.embed(rest, v["batch_stats"], batch["x"])
@@ -112,27 +120,37 @@ def test_composed_parts_equal_module_apply_float64():
 
 
 @pytest.mark.parametrize(
-    ("name", "kwargs"),
+    ("family", "name", "kwargs"),
     [
+        # the downsampling units recomputed, the couplings rebuilt from their outputs
+        ("revnet", "adamw", {"remat": rn.plan({"default": "recompute"})}),
+        # the downsampling units stored, the couplings' inputs saved (plain autodiff's network)
+        ("revnet", "sgd_nesterov", {"reversible": False}),
         # every unit recomputed in the backward (the first units by rn.checkpoint)
-        ("adamw", {"remat": rn.plan({"default": "recompute"})}),
+        ("resnet", "adamw", {"remat": rn.plan({"default": "recompute"})}),
         # no remat: the first units' activations stored, the stacked units' inputs saved
-        ("sgd_momentum", {}),
+        ("resnet", "sgd_momentum", {}),
     ],
-    ids=["adamw-remat_full", "sgd_momentum-no_remat"],
+    ids=[
+        "revnet-adamw-remat_full",
+        "revnet-sgd_nesterov-reversible_false",
+        "resnet-adamw-remat_full",
+        "resnet-sgd_momentum-no_remat",
+    ],
 )
-def test_fused_step_equals_two_phase_step_float64(name, kwargs):
+def test_fused_step_equals_two_phase_step_float64(family, name, kwargs):
     tx = {
+        "sgd_nesterov": optax.sgd(0.1, momentum=0.9, nesterov=True),
         "sgd_momentum": optax.sgd(0.1, momentum=0.9),
         "adamw": optax.adamw(1e-2, weight_decay=5e-4),
     }[name]
     with jax.enable_x64(True):
-        m, v, batch = make(**kwargs)
-        got = run(fused(m, tx), v, tx, batch)
+        m, v, batch = make(family, **kwargs)
+        got = run(fused(family, m, tx), v, tx, batch)
         want = run(two_phase(m, tx), v, tx, batch)
         errs = [rel_err(a, b) for a, b in zip(got, want, strict=True)]
     shown = ", ".join(f"{e:.2g}" for e in errs)
-    print(f"resnet32/4 {name} {kwargs}: params/opt_state/batch_stats/loss rel err {shown}")
+    print(f"{family}/4 {name} {kwargs}: params/opt_state/batch_stats/loss rel err {shown}")
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert max(errs) <= 1e-6
 
@@ -144,8 +162,8 @@ def test_fused_step_equals_two_phase_step_float64(name, kwargs):
         ({"scan_units": True, "scan_levels": 2}, "scan_levels=2"),
     ],
 )
-def test_layouts_without_stacks_are_refused_naming_the_option(kwargs, named):
-    m = ResNet(ARCHS["resnet32"], **kwargs)
+def test_resnet_layouts_without_stacks_are_refused_naming_the_option(kwargs, named):
+    m = resnet.ResNet(resnet.ARCHS["resnet32"], **kwargs)
     with pytest.raises(ValueError, match=named) as e:
-        stage_stacks(m)
+        resnet.stage_stacks(m)
     assert "Fix: model.options.scan_units=true" in str(e.value)
