@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import flax.linen as fnn
+import jax
 import pydantic
 
 import remat_nn as rn
@@ -71,6 +72,22 @@ class StageStacks:
     embed: Callable[[Any, Any, Any], tuple[Any, Any]]
     stages: tuple[rn.FusedStage, ...]
     head: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+    def apply(self, params: Any, stats: Any, x: Any) -> tuple[Any, Any]:
+        """The parts composed, as the forward pass runs them: ``(outputs, new batch_stats)``,
+        what ``module.apply({"params": params, "batch_stats": stats}, x, train=True,
+        mutable=["batch_stats"])`` gives (its ``batch_stats`` unwrapped)."""
+        keys = {s.key for s in self.stages}
+        rest = {k: p for k, p in params.items() if k not in keys}
+        h, new = self.embed(rest, stats, x)
+        for s in self.stages:
+            if s.before is not None:
+                h, new = s.before(rest, new, h)
+            layers = (params[s.key], stats.get(s.key, {}))
+            h, new_layers = jax.lax.scan(lambda h, pc, s=s: s.layer(*pc, h), h, layers)
+            new = {**new, s.key: new_layers} if s.key in stats else new
+        outputs, new = self.head(rest, new, h)
+        return outputs, new
 
 
 @dataclass(frozen=True)

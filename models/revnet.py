@@ -199,19 +199,11 @@ def stage_stacks(module: RevNet) -> StageStacks:
     >>> m = RevNet(ARCHS["revnet38"].scaled(0.25), num_classes=3)
     >>> x = jnp.ones((2, 8, 8, 3))
     >>> v = m.init(jax.random.key(0), x)
-    >>> parts = stage_stacks(m)
-    >>> keys = [s.key for s in parts.stages]
-    >>> rest = {k: p for k, p in v["params"].items() if k not in keys}
-    >>> h, stats = parts.embed(rest, v["batch_stats"], x)
-    >>> for s in parts.stages:
-    ...     if s.before is not None:
-    ...         h, stats = s.before(rest, stats, h)
-    ...     h, _ = jax.lax.scan(lambda h, pc: s.layer(*pc, h), h,
-    ...                         (v["params"][s.key], v["batch_stats"][s.key]))
-    >>> logits, _ = parts.head(rest, stats, h)
-    >>> want, _ = m.apply(v, x, train=True, mutable=["batch_stats"])
-    >>> bool(jnp.allclose(logits, want, atol=1e-5))
-    True
+    >>> logits, stats = stage_stacks(m).apply(v["params"], v["batch_stats"], x)
+    >>> want, new = m.apply(v, x, train=True, mutable=["batch_stats"])
+    >>> bool(jnp.allclose(logits, want, atol=1e-5)), jax.tree.structure(stats) == (
+    ...     jax.tree.structure(new["batch_stats"]))
+    (True, True)
     """
     o, arch = module, module.arch
     stream = o.dtype if o.recon_dtype is None else o.recon_dtype
