@@ -220,6 +220,19 @@ def _stage_steps(model, optim: Optim, n=3, name="revnet38"):
     return out
 
 
+def _stage_model(name):
+    """A quarter-width float64 RevNet-38 or ResNet-32 (scan_units), each unit under ``full``."""
+    from models import resnet, revnet
+
+    full = rn.plan({"default": "recompute"})
+    if name == "revnet38":
+        arch = revnet.ARCHS[name].scaled(0.25)
+        return revnet.RevNet(arch, dtype=jnp.float64, recon_dtype=jnp.float64, remat=full)
+    arch = resnet.ARCHS[name].scaled(0.25)
+    return resnet.ResNet(arch, dtype=jnp.float64, remat=full, scan_units=True)
+
+
+@pytest.mark.parametrize("name", ["revnet38", "resnet32"])
 @pytest.mark.parametrize(
     "optim",
     [
@@ -228,53 +241,17 @@ def _stage_steps(model, optim: Optim, n=3, name="revnet38"):
     ],
     ids=["sgd_nesterov", "adamw"],
 )
-def test_revnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
-    # RevNet: stages of coupling stacks with BatchNorm (models.StageStacks, fused_update_stages).
-    # The fused step's new batch_stats are the forward pass's, as the two-phase step's mutable
-    # apply returns them; weight decay masked off biases and BatchNorm scales (the config's).
-    from models.revnet import ARCHS, RevNet
-
+def test_cnn_fused_step_equals_two_phase_step_with_batch_stats(optim, name):
+    # Stages of stacks with BatchNorm (models.StageStacks, fused_update_stages): a RevNet's
+    # coupling stacks, a ResNet's scanned units after each stage's first unit. The fused step's
+    # new batch_stats are the forward pass's, as the two-phase step's mutable apply returns
+    # them; weight decay masked off biases and BatchNorm scales (the config's).
     with jax.enable_x64(True):
-        model = RevNet(
-            ARCHS["revnet38"].scaled(0.25),
-            dtype=jnp.float64,
-            recon_dtype=jnp.float64,
-            remat=rn.plan({"default": "recompute"}),
-        )
-        out = _stage_steps(model, optim)
+        out = _stage_steps(_stage_model(name), optim, name=name)
         (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
         errs = [rel_err(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
         errs.append(rel_err(fused.batch_stats, ref.batch_stats))
-    print(f"revnet38/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
-    assert jax.tree.structure(fused) == jax.tree.structure(ref)
-    assert max(errs) <= 1e-6
-    assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9
-
-
-@pytest.mark.parametrize(
-    "optim",
-    [
-        Optim(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
-        Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1),
-    ],
-    ids=["sgd_nesterov", "adamw"],
-)
-def test_resnet_fused_step_equals_two_phase_step_with_batch_stats(optim):
-    # ResNet with scan_units: per stage a first unit, then the stack of the scanned units.
-    from models.resnet import ARCHS, ResNet
-
-    with jax.enable_x64(True):
-        model = ResNet(
-            ARCHS["resnet32"].scaled(0.25),
-            dtype=jnp.float64,
-            remat=rn.plan({"default": "recompute"}),
-            scan_units=True,
-        )
-        out = _stage_steps(model, optim, name="resnet32")
-        (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
-        errs = [rel_err(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
-        errs.append(rel_err(fused.batch_stats, ref.batch_stats))
-    print(f"resnet32/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
+    print(f"{name}/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert max(errs) <= 1e-6
     assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9
