@@ -31,6 +31,7 @@ from remat_nn._fused_update import (
     _stack_halves,
     _stack_norm,
     _update_rest,
+    check_clip_norm,
 )
 from remat_nn._tie import tie, zero_after
 
@@ -192,15 +193,7 @@ def _check_stages(stages: tuple[Any, ...], clip_norm: Any) -> tuple[str, ...]:
             f"fused_update_stages: stages {both} give inverse and backward; backward is the "
             "inverse fused with the layer's VJP. Fix: drop inverse."
         )
-    if clip_norm is not None and (
-        isinstance(clip_norm, bool)
-        or not isinstance(clip_norm, int | float)
-        or not 0 < clip_norm < float("inf")
-    ):
-        raise ValueError(
-            f"fused_update_stages: clip_norm must be a positive finite number (the largest "
-            f"global gradient norm), got {clip_norm!r}. Fix: clip_norm=1.0, or None."
-        )
+    check_clip_norm(clip_norm, "fused_update_stages")
     return keys
 
 

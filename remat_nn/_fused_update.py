@@ -205,19 +205,24 @@ def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm
             f"fused_update_step: save_every must be a positive int (save every k-th layer's "
             f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
         )
+    check_clip_norm(clip_norm, "fused_update_step")
+    if save_every is not None and rebuilds:
+        raise ValueError(
+            "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
+            "rebuilds its inputs and saves none. Fix: drop save_every."
+        )
+
+
+def check_clip_norm(clip_norm: Any, where: str) -> None:
+    """Refuses a ``clip_norm`` that is not None or a positive finite number, naming ``where``."""
     if clip_norm is not None and (
         isinstance(clip_norm, bool)
         or not isinstance(clip_norm, int | float)
         or not 0 < clip_norm < float("inf")
     ):
         raise ValueError(
-            f"fused_update_step: clip_norm must be a positive finite number (the largest global "
+            f"{where}: clip_norm must be a positive finite number (the largest global "
             f"gradient norm), got {clip_norm!r}. Fix: clip_norm=1.0, or None not to clip."
-        )
-    if save_every is not None and rebuilds:
-        raise ValueError(
-            "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
-            "rebuilds its inputs and saves none. Fix: drop save_every."
         )
 
 
