@@ -341,6 +341,24 @@ def test_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path):
     assert err <= 1e-6
 
 
+def _cnn_cfg(config, path, *overrides):
+    """configs/<config>.yaml at a quarter width for 3 short steps, no evaluation or plots."""
+    return load_config(
+        ROOT / f"configs/{config}.yaml",
+        [
+            f"run_dir={path}",
+            "model.options.width=0.25",
+            "data.batch_size=16",
+            "train.steps=3",
+            "train.plot=false",
+            "train.tensorboard=false",
+            "train.eval_every=0",
+            "checkpoint.keep_best=0",
+            *overrides,
+        ],
+    )
+
+
 @pytest.mark.parametrize(
     "config, options",
     [("revnet", []), ("resnet", ["model.options.scan_units=true"])],
@@ -355,22 +373,7 @@ def test_cnn_fused_and_two_phase_runs_resume_each_others_checkpoints(tmp_path, c
     # from the two-phase run as much (measured: 1.3e-5 in the optimizer state after 3 steps,
     # 3e-2 in the parameters after 5, as the fused run).
     def cfg(path, *overrides):
-        return load_config(
-            ROOT / f"configs/{config}.yaml",
-            [
-                f"run_dir={path}",
-                *options,
-                "model.options.width=0.25",
-                "data.batch_size=16",
-                "train.steps=3",
-                "train.plot=false",
-                "train.tensorboard=false",
-                "train.eval_every=0",
-                "checkpoint.every=1",
-                "checkpoint.keep_best=0",
-                *overrides,
-            ],
-        )
+        return _cnn_cfg(config, path, *options, "checkpoint.every=1", *overrides)
 
     want = loop.run(cfg(tmp_path / "two_phase")).state
     for i, leg in enumerate(("", "train.update_in_backward=true", "")):
@@ -459,22 +462,8 @@ def test_resnet_fused_step_on_an_fsdp_mesh_equals_one_device(tmp_path):
     # the reordered sums (measured 4.3e-6 after 3 steps); a cotangent not summed over the
     # devices would be off by O(1).
     def cfg(path, *overrides):
-        return load_config(
-            ROOT / "configs/resnet.yaml",
-            [
-                f"run_dir={path}",
-                "model.options.scan_units=true",
-                "model.options.width=0.25",
-                "data.batch_size=16",
-                "train.steps=3",
-                "train.plot=false",
-                "train.tensorboard=false",
-                "train.eval_every=0",
-                "checkpoint.keep_best=0",
-                "train.update_in_backward=true",
-                *overrides,
-            ],
-        )
+        fused = ("model.options.scan_units=true", "train.update_in_backward=true")
+        return _cnn_cfg("resnet", path, *fused, *overrides)
 
     sharded = loop.run(cfg(tmp_path / "fsdp", "mesh.data=4", "mesh.fsdp=2", "mesh.fsdp_min_size=0"))
     single = loop.run(cfg(tmp_path / "one", "mesh.data=1", "mesh.fsdp=1"))
