@@ -80,8 +80,7 @@ class Classifier:
             train=True,
             mutable=["batch_stats"],
         )
-        logp = jax.nn.log_softmax(logits)  # (B, classes)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), updates
+        return cross_entropy(logits, labels), updates
 
     @property
     def grad_step(self) -> Callable[..., Any]:
@@ -183,6 +182,12 @@ class LMConfig:
 
 LM_FULL = LMConfig(n_layers=4, d_model=256, n_heads=4, seq_len=256, batch=8)
 LM_QUICK = LMConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, batch=2)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits`` (B, classes) against integer ``labels`` (B,)."""
+    logp = jax.nn.log_softmax(logits)  # (B, classes)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

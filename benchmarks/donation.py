@@ -420,17 +420,8 @@ def _three_steps(
         ],
         "fused, donated": wl.compile_step(fused, *state, tokens, donate_argnums=(0, 1))[1],
     }
-    plain, state_bytes = mems["two-phase, not donated"].peak_bytes, wl.tree_bytes(state)
-    rows = [
-        "| step | temp | peak | peak below the non-donated two-phase step (of the state) |",
-        "|---|--:|--:|--:|",
-        *(
-            f"| {label} | {format_bytes(m.temp_size_in_bytes)} | {format_bytes(m.peak_bytes)} "
-            f"| {format_bytes(plain - m.peak_bytes)} = {(plain - m.peak_bytes) / state_bytes:.1%} |"
-            for label, m in mems.items()
-        ),
-    ]
-    return state_bytes, rows
+    state_bytes = wl.tree_bytes(state)
+    return state_bytes, _step_rows(mems, state_bytes)
 
 
 def _stack_forms_section(model: wl.LM, tx: optax.GradientTransformation, quick: bool) -> list[str]:
@@ -559,7 +550,7 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
         ],
         "fused, donated": wl.compile_step(fused, *state, args, donate_argnums=(0, 1, 2))[1],
     }
-    plain, state_bytes = mems["two-phase, not donated"].peak_bytes, wl.tree_bytes(state)
+    state_bytes = wl.tree_bytes(state)
     arch = revnet_bench._arch("revnet38", quick)
     return [
         "",
@@ -574,6 +565,15 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
         "each rebuilt from its output and updated right after its VJP; the stem, downsampling "
         "units and head updated at the end; the new batch statistics the forward pass's.",
         "",
+        *_step_rows(mems, state_bytes),
+    ]
+
+
+def _step_rows(mems: dict[str, rn.CompiledMemory], state_bytes: int) -> list[str]:
+    """A table of each step's temp and peak, and its peak below the non-donated two-phase
+    step's (``mems["two-phase, not donated"]``) as a share of ``state_bytes``."""
+    plain = mems["two-phase, not donated"].peak_bytes
+    return [
         "| step | temp | peak | peak below the non-donated two-phase step (of the state) |",
         "|---|--:|--:|--:|",
         *(
@@ -587,5 +587,4 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
 def _xent(head: tuple[jax.Array, Any], labels: jax.Array) -> tuple[jax.Array, Any]:
     """``(logits, batch_stats)`` -> (cross-entropy, batch_stats), as ``wl.Classifier.loss``."""
     logits, stats = head
-    logp = jax.nn.log_softmax(logits)  # (B, classes)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)), stats
+    return wl.cross_entropy(logits, labels), stats
