@@ -175,8 +175,9 @@ class CausalSelfAttention(fnn.Module):
         scores = jnp.einsum("bthk,bshk->bhts", q, key) / math.sqrt(k)  # (B, H, T, T)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # (T, T)
         scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
-        # softmax in float32 whatever the compute dtype; stored (if saved) in the compute dtype.
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(self.dtype)
+        # softmax in at least float32 (float64 stays float64); stored in the compute dtype.
+        wide = jnp.promote_types(scores.dtype, jnp.float32)
+        probs = jax.nn.softmax(scores.astype(wide), axis=-1).astype(self.dtype)
         probs = rn.name(probs, names.ATTENTION_SCORES)  # (B, H, T, T)
         probs = fnn.Dropout(self.dropout, deterministic=not train)(probs)
         ctx = rn.name(jnp.einsum("bhts,bshk->bthk", probs, v), names.CONTEXT)  # (B, T, H, K)

@@ -231,22 +231,25 @@ def test_rotary_positions_rotate_by_position_and_depend_only_on_offsets():
     assert rel_err(scores[..., :, 1:], scores[..., :, :-1]) > 1e-2  # ...but on the offset
 
 
+def _independent_attention(p, x, rotate=lambda q: q):
+    """Causal self-attention written out in jnp, in the dtype of ``x`` throughout."""
+
+    def proj(name):
+        return jnp.einsum("btd,dhk->bthk", x, p[name]["kernel"]) + p[name]["bias"][None, None]
+
+    q, k = rotate(proj("query")), rotate(proj("key"))  # (B, T, H, K)
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(q.shape[-1])
+    t = x.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], scores, -jnp.inf)
+    ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, axis=-1), proj("value"))
+    return jnp.einsum("bthk,hkd->btd", ctx, p["out"]["kernel"]) + p["out"]["bias"][None, None]
+
+
 def test_rotary_attention_values_and_gradients_match_an_independent_computation():
     attn = tr.CausalSelfAttention(n_heads=2, rotary=True)
     x = 0.5 * jax.random.normal(jax.random.key(1), (2, 6, 16))  # (B, T, D)
     params = attn.init(jax.random.key(2), x)["params"]
-
-    def independent(p, x):
-        def proj(name):
-            return jnp.einsum("btd,dhk->bthk", x, p[name]["kernel"]) + p[name]["bias"][None, None]
-
-        q = _rope_by_complex_rotation(proj("query"))  # (B, T, H, K)
-        k = _rope_by_complex_rotation(proj("key"))
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(q.shape[-1])
-        t = x.shape[1]
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], scores, -jnp.inf)
-        ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, axis=-1), proj("value"))
-        return jnp.einsum("bthk,hkd->btd", ctx, p["out"]["kernel"]) + p["out"]["bias"][None, None]
+    independent = lambda p, x: _independent_attention(p, x, _rope_by_complex_rotation)
 
     def loss(f):
         return lambda p, x: jnp.sum(jnp.sin(f(p, x)))
@@ -261,6 +264,18 @@ def test_rotary_attention_values_and_gradients_match_an_independent_computation(
     learned = tr.CausalSelfAttention(n_heads=2, rotary=False)
     plain = jax.grad(loss(lambda p, x: learned.apply({"params": p}, x)), argnums=(0, 1))(params, x)
     assert rel_err(plain, want) > 1e-2  # the rotation is seen by the comparison
+
+
+def test_float64_attention_computes_its_softmax_in_float64():
+    """The softmax runs in at least float32: bf16 widened, float64 kept (it was cast to float32
+    whatever the dtype, so a float64 model agreed with float64 math to ~1e-7 only)."""
+    with jax.enable_x64(True):
+        attn = tr.CausalSelfAttention(n_heads=2, dtype=jnp.float64)
+        x = jax.random.normal(jax.random.key(1), (2, 6, 16), jnp.float64)
+        params = attn.init(jax.random.key(2), x)["params"]
+        got = attn.apply({"params": params}, x)
+        assert got.dtype == jnp.float64
+        assert rel_err(got, _independent_attention(params, x)) < 1e-13
 
 
 # --- RevNet and ResNet -----------------------------------------------------------------------

@@ -164,7 +164,7 @@ def _like(new: jax.Array, old: jax.Array) -> jax.Array:
 
 def _loss_head(loss: losses_lib.LossFn, outputs: Any, batch: dict[str, jax.Array]) -> Any:
     """The batch-mean loss and metrics of the model's outputs, as the two-phase step's."""
-    per_example, metrics = loss(outputs.astype(jnp.float32), batch["y"])
+    per_example, metrics = loss(losses_lib.at_least_float32(outputs), batch["y"])
     return jnp.mean(per_example), {k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()}
 
 

@@ -1,14 +1,14 @@
 """The loss a run trains with (``model.loss``) and the metrics it reports.
 
 A loss function is ``loss(outputs, targets) -> (losses, metrics)``: ``outputs`` the model's
-float32 output for a batch, ``targets`` the batch's ``y``; ``losses`` the loss of each example
-(shape (B,), or (B, T) for token models), ``metrics`` a dict of arrays of that shape (e.g. 1.0
-where a prediction is right). The trainer minimises the mean loss, and logs each metric's mean,
-masked in evaluation like the loss (``eval_<name>`` may rank checkpoints, see
-``checkpoint.best_metric``). Built in: ``cross_entropy`` (integer targets, metric ``accuracy``;
-the default of classification and language models) and ``mse`` (float targets shaped like the
-outputs, metric ``mae``; the default of ``model.task: regress``); any other is
-``package.module:function``.
+output for a batch in at least float32 (:func:`at_least_float32`), ``targets`` the batch's
+``y``; ``losses`` the loss of each example (shape (B,), or (B, T) for token models),
+``metrics`` a dict of arrays of that shape (e.g. 1.0 where a prediction is right). The trainer
+minimises the mean loss, and logs each metric's mean, masked in evaluation like the loss
+(``eval_<name>`` may rank checkpoints, see ``checkpoint.best_metric``). Built in:
+``cross_entropy`` (integer targets, metric ``accuracy``; the default of classification and
+language models) and ``mse`` (float targets shaped like the outputs, metric ``mae``; the
+default of ``model.task: regress``); any other is ``package.module:function``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,19 @@ import optax
 
 from train.errors import SetupError
 
-__all__ = ["LOSSES", "LossFn", "cross_entropy", "mse", "resolve"]
+__all__ = ["LOSSES", "LossFn", "at_least_float32", "cross_entropy", "mse", "resolve"]
 
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def at_least_float32(outputs: jax.Array) -> jax.Array:
+    """``outputs`` as the loss takes them: bfloat16 and float16 widened to float32, float32 and
+    float64 as they are (a float64 run keeps float64 down to its loss).
+
+    >>> at_least_float32(jnp.ones(2, jnp.bfloat16)).dtype, at_least_float32(jnp.ones(2)).dtype
+    (dtype('float32'), dtype('float32'))
+    """
+    return outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
 
 
 def cross_entropy(outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

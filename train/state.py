@@ -223,7 +223,7 @@ def make_loss_fn(
             mutable=["batch_stats"] if has_batch_stats else False,
         )
         outputs, new_vars = out if has_batch_stats else (out, {})
-        per_example, metrics = loss(outputs.astype(jnp.float32), batch["y"])
+        per_example, metrics = loss(losses_lib.at_least_float32(outputs), batch["y"])
         new_stats = new_vars.get("batch_stats", batch_stats)
         new_stats = jax.tree.map(lambda n, o: n.astype(o.dtype), new_stats, batch_stats)
         means = {k: jnp.mean(v.astype(jnp.float32)) for k, v in metrics.items()}
@@ -374,7 +374,7 @@ def make_eval_step(
         x = batch["x"]
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
-        outputs = model.apply(variables, x, train=False).astype(jnp.float32)
+        outputs = losses_lib.at_least_float32(model.apply(variables, x, train=False))
         per_example, metrics = loss(outputs, batch["y"])
         w = batch["mask"]  # (B,) or (B, T) like the losses: 0 on padding rows
         new = {"loss": per_example, **metrics}
