@@ -63,6 +63,7 @@ def run(quick: bool = False) -> Result:
     fused_lines += _clip_section(model, tx, quick)
     fused_lines += _stack_forms_section(model, tx, quick)
     fused_lines += _revnet_section(tx, quick)
+    fused_lines += _resnet_section(tx, quick)
     # Run the donated step once: the old state's buffers must be consumed.
     leaves = jax.tree.leaves(state)
     new_state, _ = compiled(state, model.tokens)
@@ -520,11 +521,63 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
     from benchmarks import revnet as revnet_bench  # its RevNet-38, batch and image size
     from models import revnet as R
 
-    batch, image = (8, 8) if quick else (128, 32)
     module = revnet_bench._module("revnet38", quick)
-    model = wl.classifier(
-        "revnet38", batch=batch, image_size=image, module=module, materialize=False
+    batch, image, state_bytes, rows = _stages_steps(
+        "revnet38", module, R.stage_stacks(module), tx, quick
     )
+    arch = revnet_bench._arch("revnet38", quick)
+    return [
+        "",
+        "### RevNet-38 (`rn.fused_update_stages`)",
+        "",
+        f"RevNet-38 (units per stage {arch.units}, widths {arch.widths}; batch {batch} of "
+        f"{image}x{image} images, as `python -m benchmarks revnet`{' --quick' if quick else ''} "
+        "measures it; the downsampling units under `full`), adamw; state = parameters + "
+        f"optimizer state + BatchNorm statistics = {format_bytes(state_bytes)}. The fused step "
+        "is its stages as `models.revnet.stage_stacks` gives them (as the trainer's "
+        "`train.update_in_backward` builds it): per stage a reverse scan over the couplings, "
+        "each rebuilt from its output and updated right after its VJP; the stem, downsampling "
+        "units and head updated at the end; the new batch statistics the forward pass's.",
+        "",
+        *rows,
+    ]
+
+
+def _resnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
+    """ResNet-32's (``scan_units``, every unit under ``full``) two-phase steps and its fused
+    step over its stages: the scanned units updated per layer, as the RevNet's couplings."""
+    from benchmarks import revnet as revnet_bench  # the same architectures at --quick
+    from models import resnet as RN
+
+    arch = revnet_bench._arch("resnet32", quick)
+    module = RN.ResNet(arch, remat=RN.REMAT_PRESETS["full"], scan_units=True)
+    batch, image, state_bytes, rows = _stages_steps(
+        "resnet32", module, RN.stage_stacks(module), tx, quick
+    )
+    return [
+        "",
+        "### ResNet-32 (`rn.fused_update_stages`)",
+        "",
+        f"ResNet-32 (units per stage {arch.units}, widths {arch.widths}; batch {batch} of "
+        f"{image}x{image} images; `scan_units: true`: each stage's identical units in one "
+        "`nn.scan`; every unit under `full`), adamw; state = parameters + optimizer state + "
+        f"BatchNorm statistics = {format_bytes(state_bytes)}. The fused step is its stages as "
+        "`models.resnet.stage_stacks` gives them: per stage the first unit (which changes the "
+        "width or resolution) differentiated by `jax.vjp`, then a reverse scan over the "
+        "scanned units, each recomputed from its saved input and updated right after its VJP; "
+        "the stem, first units and head updated at the end.",
+        "",
+        *rows,
+    ]
+
+
+def _stages_steps(
+    name: str, module: Any, parts: Any, tx: optax.GradientTransformation, quick: bool
+) -> tuple[int, int, int, list[str]]:
+    """Batch, image size, bytes(state) and the table rows of the registry model ``name``'s
+    two-phase steps and its fused step over ``parts`` (its ``models.StageStacks``)."""
+    batch, image = (8, 8) if quick else (128, 32)
+    model = wl.classifier(name, batch=batch, image_size=image, module=module, materialize=False)
     state = (model.params, jax.eval_shape(tx.init, model.params), model.batch_stats)
 
     def two_phase(state: Any, images: jax.Array, labels: jax.Array) -> tuple[Any, jax.Array]:
@@ -535,7 +588,6 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, new["batch_stats"]), value
 
-    parts = R.stage_stacks(module)
     fused = rn.fused_update_stages(
         lambda rest, stats, batch: parts.embed(rest, stats, batch[0]),
         parts.stages,
@@ -551,22 +603,7 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
         "fused, donated": wl.compile_step(fused, *state, args, donate_argnums=(0, 1, 2))[1],
     }
     state_bytes = wl.tree_bytes(state)
-    arch = revnet_bench._arch("revnet38", quick)
-    return [
-        "",
-        "### RevNet-38 (`rn.fused_update_stages`)",
-        "",
-        f"RevNet-38 (units per stage {arch.units}, widths {arch.widths}; batch {batch} of "
-        f"{image}x{image} images, as `python -m benchmarks revnet`{' --quick' if quick else ''} "
-        "measures it; the downsampling units under `full`), adamw; state = parameters + "
-        f"optimizer state + BatchNorm statistics = {format_bytes(state_bytes)}. The fused step "
-        "is its stages as `models.revnet.stage_stacks` gives them (as the trainer's "
-        "`train.update_in_backward` builds it): per stage a reverse scan over the couplings, "
-        "each rebuilt from its output and updated right after its VJP; the stem, downsampling "
-        "units and head updated at the end; the new batch statistics the forward pass's.",
-        "",
-        *_step_rows(mems, state_bytes),
-    ]
+    return batch, image, state_bytes, _step_rows(mems, state_bytes)
 
 
 def _step_rows(mems: dict[str, rn.CompiledMemory], state_bytes: int) -> list[str]:

@@ -65,7 +65,8 @@ class StageStacks:
       embed: ``(rest, stats, x) -> (h, stats)``, the first stage's input.
       stages: the :class:`remat_nn.FusedStage` s: the non-stacked unit before each stack (e.g.
         a downsampling unit), the stack's key, one layer ``(layer_params, layer_stats, h) ->
-        (h, layer_stats)`` and, for a reversible stack, its fused inverse and VJP.
+        (h, layer_stats)`` and, for a reversible stack, its fused inverse and VJP (or, for a
+        nested one, its ``save_every``).
       head: ``(rest, stats, h) -> (outputs, stats)``, outputs as ``module.apply`` returns them.
     """
 

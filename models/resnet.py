@@ -272,11 +272,14 @@ def stage_stacks(module: ResNet) -> StageStacks:
     mutable=["batch_stats"])``, for :func:`remat_nn.fused_update_stages`: the stacks are the
     ``nn.scan`` of ``scan_units`` (``params["stage1"]``, a leading unit axis); a unit that
     changes the width or resolution (``stage{s}_0``) runs before its stage's stack. Every unit
-    is under the model's remat plan; the stacked units' inputs are saved.
+    is under the model's remat plan; the stacked units' inputs are saved, or with
+    ``scan_levels: 2`` those of every k-th unit of a stage (the stage's ``save_every``, k the
+    inner length of its nesting: the backward recomputes the others) and each unit under
+    ``full`` unless a plan is set, as the nested scan runs them.
 
     Raises:
-      ValueError: ``scan_units`` is off (no stacks), ``scan_levels`` is set (the fused step
-        saves every unit's input), or a stage has no identical units to stack.
+      ValueError: ``scan_units`` is off (no stacks), ``scan_levels`` is above 2 (the fused step
+        nests two levels), or a stage has no identical units to stack.
 
     >>> m = ResNet(ARCHS["resnet32"].scaled(0.25), num_classes=3, scan_units=True)
     >>> x = jnp.ones((2, 8, 8, 3))
@@ -290,9 +293,9 @@ def stage_stacks(module: ResNet) -> StageStacks:
     o, arch = module, module.arch
     if not o.scan_units:
         raise ValueError(_NEEDS_SCAN_UNITS.format(why="scan_units=false", fix=""))
-    if o.scan_levels is not None:
-        why = f"scan_levels={o.scan_levels} (a nested scan; the fused step saves each unit's input)"
-        fix = " and model.options.scan_levels=null"
+    if o.scan_levels is not None and o.scan_levels > 2:
+        why = f"scan_levels={o.scan_levels} (the fused step nests two levels: save_every)"
+        fix = " and model.options.scan_levels=null or 2"
         raise ValueError(_NEEDS_SCAN_UNITS.format(why=why, fix=fix))
 
     def embed(rest: Any, stats: Any, images: jax.Array) -> tuple[jax.Array, Any]:
@@ -316,7 +319,13 @@ def stage_stacks(module: ResNet) -> StageStacks:
         if first:
             unit = ResidualUnit(width, 2 if s > 0 else 1, arch.bottleneck, True, o.dtype)
             before = rn.checkpoint(partial(_unit, unit, f"stage{s}_0"), policy=_policy(o.remat))
-        stages.append(rn.FusedStage(f"stage{s}", _stacked_unit(o, width), before=before))
+        # scan_levels=2: the input of every k-th unit saved, k = the inner length of the nesting
+        # (scan_levels=1, one checkpointed scan, saves every unit's input: the default).
+        save_every = None if (o.scan_levels or 1) == 1 else rn.remat_scan_lengths(n - first, 2)[1]
+        stage = rn.FusedStage(
+            f"stage{s}", _stacked_unit(o, width), before=before, save_every=save_every
+        )
+        stages.append(stage)
     return StageStacks(embed, tuple(stages), head)
 
 
@@ -329,10 +338,13 @@ def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> t
 
 def _stacked_unit(o: ResNet, width: int) -> Any:
     """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
-    under the model's remat plan as ``nn.scan`` runs it."""
+    under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset)."""
+    plan = o.remat
+    if o.scan_levels is not None and plan is None:
+        plan = REMAT_PRESETS["full"]  # as _nested_units: nested units are recomputed whole
     cls = ResidualUnit
-    if o.remat is not None:
-        cls = rnn.remat(ResidualUnit, policy=o.remat, prevent_cse=False)
+    if plan is not None:
+        cls = rnn.remat(ResidualUnit, policy=plan, prevent_cse=False)
     unit = cls(width, 1, o.arch.bottleneck, True, o.dtype)
 
     def layer(p: Any, c: Any, h: jax.Array) -> tuple[jax.Array, Any]:

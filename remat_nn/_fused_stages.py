@@ -26,12 +26,14 @@ from remat_nn._fused_update import (
     _clipped,
     _Inputs,
     _Layout,
+    _segments,
     _split,
     _squared_norm,
     _stack_halves,
     _stack_norm,
     _update_rest,
     check_clip_norm,
+    check_save_every,
 )
 from remat_nn._tie import tie, zero_after
 
@@ -57,6 +59,13 @@ class FusedStage:
         :func:`remat_nn.fused_update_step`'s ``inverse_fn``).
       backward: instead of ``inverse``, the inverse fused with the layer's VJP,
         ``(layer_params, layer_state, y, dy) -> (h, d_layer_params, dh)`` (``backward_fn``).
+      save_every: the forward saves the input of every ``save_every``-th layer of the stack
+        only, and the backward recomputes a segment's inputs from its saved one, each layer
+        with the state the forward gave it (the recomputation's new state is dropped: the
+        state moves once per step), as :func:`remat_nn.fused_update_step`'s ``save_every``.
+        Per stage: ``k ~ sqrt(depth)`` holds ``ceil(depth / k) + k`` inputs instead of
+        ``depth``. Not with ``inverse`` or ``backward`` (a rebuilt stack saves no inputs).
+        None: every layer's input is saved.
     """
 
     key: str
@@ -64,6 +73,7 @@ class FusedStage:
     before: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None
     inverse: Callable[[Any, Any, Any], Any] | None = None
     backward: Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]] | None = None
+    save_every: int | None = None
 
 
 def fused_update_stages(
@@ -85,11 +95,13 @@ def fused_update_stages(
     :func:`remat_nn.fused_update_step`, each layer's parameters and optimizer state are
     updated right after its gradient is known (the full gradient never exists), and ``rest``
     at the end; the result equals the two-phase step for element-wise optimizers. Each layer
-    is recomputed from its saved input (or rebuilt from its output: ``inverse``/``backward``)
-    with the state the forward saw; the non-stacked functions are differentiated by
-    ``jax.vjp`` (wrap one in ``jax.checkpoint`` to recompute it instead of storing it: the
-    recomputation is tied to the incoming cotangent, so it runs when the backward reaches the
-    unit on every backend). Jit the step with ``donate_argnums=(0, 1, 2)``.
+    is recomputed from its saved input (with a stage's ``save_every``, from the input the
+    backward recomputed from its segment's saved one) or rebuilt from its output
+    (``inverse``/``backward``), with the state the forward saw; the non-stacked functions are
+    differentiated by ``jax.vjp`` (wrap one in ``jax.checkpoint`` to recompute it instead of
+    storing it: the recomputation is tied to the incoming cotangent, so it runs when the
+    backward reaches the unit on every backend). Jit the step with ``donate_argnums=(0, 1,
+    2)``.
 
     Args:
       embed_fn: ``(rest, rest_state, batch) -> (h, rest_state)``.
@@ -193,6 +205,18 @@ def _check_stages(stages: tuple[Any, ...], clip_norm: Any) -> tuple[str, ...]:
             f"fused_update_stages: stages {both} give inverse and backward; backward is the "
             "inverse fused with the layer's VJP. Fix: drop inverse."
         )
+    for s in stages:
+        check_save_every(s.save_every, f"fused_update_stages: stage {s.key!r}")
+    rebuilt = [
+        s.key
+        for s in stages
+        if s.save_every is not None and (s.inverse is not None or s.backward is not None)
+    ]
+    if rebuilt:
+        raise ValueError(
+            f"fused_update_stages: stages {rebuilt} give save_every with inverse or backward: a "
+            "reversible stack rebuilds its inputs and saves none. Fix: drop save_every."
+        )
     check_clip_norm(clip_norm, "fused_update_stages")
     return keys
 
@@ -279,7 +303,9 @@ def _head(
 
 def _stack_forward(stage: FusedStage, stack: Any, consts: Any, h0: Any) -> tuple[Any, _Inputs, Any]:
     """One stack's forward scan: its output, its layers' inputs (saved unless the backward
-    rebuilds them) and the layers' new state."""
+    rebuilds them; every ``save_every``-th only) and the layers' new state."""
+    if stage.save_every is not None:
+        return _segments(stage.layer, h0, stack, stage.save_every, consts)
     rebuilds = stage.inverse is not None or stage.backward is not None
 
     def forward(h: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:

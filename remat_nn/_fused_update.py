@@ -156,7 +156,7 @@ def fused_update_step(
         h0, embed_vjp = jax.vjp(lambda r: embed_fn(r, batch), rest)
 
         if save_every is not None:
-            h_last, source = _segments(layer_fn, h0, stack, save_every)
+            h_last, source, _ = _segments(layer_fn, h0, stack, save_every)
         else:
             h_last, source = _forward(layer_fn, h0, stack, inverse_fn, backward_fn)
         if has_aux:
@@ -198,18 +198,23 @@ def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm
             "inverse fused with the layer's VJP). Fix: drop inverse_fn."
         )
     rebuilds = inverse_fn is not None or backward_fn is not None
-    if save_every is not None and (
-        isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
-    ):
-        raise ValueError(
-            f"fused_update_step: save_every must be a positive int (save every k-th layer's "
-            f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
-        )
+    check_save_every(save_every, "fused_update_step")
     check_clip_norm(clip_norm, "fused_update_step")
     if save_every is not None and rebuilds:
         raise ValueError(
             "fused_update_step: save_every with inverse_fn or backward_fn: a reversible stack "
             "rebuilds its inputs and saves none. Fix: drop save_every."
+        )
+
+
+def check_save_every(save_every: Any, where: str) -> None:
+    """Refuses a ``save_every`` that is not None or a positive int, naming ``where``."""
+    if save_every is not None and (
+        isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
+    ):
+        raise ValueError(
+            f"{where}: save_every must be a positive int (save every k-th layer's "
+            f"input), got {save_every!r}. Fix: save_every=4, or None to save every input."
         )
 
 
@@ -381,11 +386,20 @@ class _Inputs:
 
 class _Segments(_Inputs):
     """Inputs saved every ``k`` layers; a segment's are recomputed into ``carry`` (k slots)
-    when the backward reaches its last layer, with its layers' parameters before their update."""
+    when the backward reaches its last layer, with its layers' parameters before their update.
 
-    def __init__(self, anchors: Any, buffer: Any, k: int, length: int, layer_fn: Callable):
+    ``run(stack, j, h)`` is layer ``j`` on ``h`` as the forward ran it (with layer ``j``'s
+    state, if the layers have state: the recomputation's new state is dropped)."""
+
+    def __init__(
+        self, anchors: Any, buffer: Any, k: int, length: int, run: Callable[[Any, Any, Any], Any]
+    ):
         super().__init__(anchors, buffer, None, None)
-        self.k, self.length, self.layer_fn = k, length, layer_fn
+        self.k, self.length, self.run = k, length, run
+
+    def bound(self, const: Any) -> _Inputs:
+        del const  # ``run`` reads each recomputed layer's own state
+        return self
 
     def input(self, stack: Any, layer: Any, carry: Any, i: jax.Array) -> tuple[Any, Any]:
         del layer
@@ -394,7 +408,7 @@ class _Segments(_Inputs):
         def refill(buffer: Any) -> Any:
             def one(j: jax.Array, state: tuple[Any, Any]) -> tuple[Any, Any]:
                 h, buffer = state
-                return self.layer_fn(_read(stack, j), h), _write(buffer, h, j - start)
+                return self.run(stack, j, h), _write(buffer, h, j - start)
 
             first = _read(self.saved, i // self.k)
             return _named_axes.fori_loop(start, i + 1, one, (first, buffer))[1]
@@ -405,23 +419,35 @@ class _Segments(_Inputs):
 
 
 def _segments(
-    layer_fn: Callable[[Any, Any], Any], h0: Any, stack: Any, k: int
-) -> tuple[Any, _Segments]:
-    """The forward scan saving the input of layers 0, k, 2k, ... (``anchors``)."""
+    layer_fn: Callable[..., Any], h0: Any, stack: Any, k: int, consts: Any = None
+) -> tuple[Any, _Segments, Any]:
+    """The forward scan saving the input of layers 0, k, 2k, ... (``anchors``).
+
+    With ``consts`` (the layers' state, stacked), ``layer_fn`` is ``(params, state, h) -> (h,
+    new_state)`` and the layers' new states are returned, stacked; else ``(params, h) -> h``
+    and None."""
     length = _depth(stack)
     # Slots of h0's type (inside shard_map: varying as h0 does); their values are never read
     # before a layer's input is written there.
     slots = lambda n: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), h0)  # noqa: E731
 
-    def forward(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
-        (h, anchors), (layer, i) = carry, xs
+    def apply(layer: Any, const: Any, h: Any) -> tuple[Any, Any]:
+        return (layer_fn(layer, h), None) if consts is None else layer_fn(layer, const, h)
+
+    def forward(carry: tuple[Any, Any], xs: tuple[Any, Any, jax.Array]) -> tuple[Any, Any]:
+        (h, anchors), (layer, const, i) = carry, xs
         keep = i % k == 0
         slot = jax.tree.map(partial(jnp.where, keep), h, _read(anchors, i // k))
-        return (layer_fn(layer, h), _write(anchors, slot, i // k)), None
+        h, new_const = apply(layer, const, h)
+        return (h, _write(anchors, slot, i // k)), new_const
+
+    def run(stack: Any, j: jax.Array, h: Any) -> Any:
+        return apply(_read(stack, j), _read(consts, j), h)[0]
 
     init = (h0, slots(-(-length // k)))
-    (h_last, anchors), _ = _named_axes.scan(forward, init, (stack, jnp.arange(length)))
-    return h_last, _Segments(anchors, slots(min(k, length)), k, length, layer_fn)
+    xs = (stack, consts, jnp.arange(length))
+    (h_last, anchors), new_consts = _named_axes.scan(forward, init, xs)
+    return h_last, _Segments(anchors, slots(min(k, length)), k, length, run), new_consts
 
 
 def _backward_update(

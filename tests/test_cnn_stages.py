@@ -4,7 +4,8 @@ scan_units, as stem, stages of stacks (couplings, or scanned units) and head.
 Composed, the parts equal ``module.apply(..., train=True, mutable=["batch_stats"])`` (logits and
 new batch statistics); the fused step over them (``rn.fused_update_stages``) equals the
 two-phase step (``jax.grad`` through ``module.apply``, then ``optimizer.update``) on a tiny
-float64 RevNet-38 and ResNet-32: parameters, optimizer state and batch statistics after 3 steps.
+float64 RevNet-38 and ResNet-32 (also with ``scan_levels: 2``, which the fused step runs as
+each stage's ``save_every``): parameters, optimizer state and batch statistics after 3 steps.
 ResNet layouts without stacks are refused, naming the option.
 """
 
@@ -98,10 +99,14 @@ def run(step, v, tx, batch):
     return params, opt_state, stats, loss
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_composed_parts_equal_module_apply_float64(family):
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [("revnet", {}), ("resnet", {}), ("resnet", {"scan_levels": 2})],
+    ids=["revnet", "resnet", "resnet-scan_levels_2"],
+)
+def test_composed_parts_equal_module_apply_float64(family, kwargs):
     with jax.enable_x64(True):
-        m, v, batch = make(family)
+        m, v, batch = make(family, **kwargs)
         parts = FAMILIES[family][0].stage_stacks(m)
         logits, stats = parts.apply(v["params"], v["batch_stats"], batch["x"])
         want, want_stats = m.apply(v, batch["x"], train=True, mutable=["batch_stats"])
@@ -121,12 +126,16 @@ def test_composed_parts_equal_module_apply_float64(family):
         ("resnet", "adamw", {"remat": rn.plan({"default": "recompute"})}),
         # no remat: the first units' activations stored, the stacked units' inputs saved
         ("resnet", "sgd_momentum", {}),
+        # the nested scan: the inputs of every k-th stacked unit saved (k = 3, 2, 2 for the
+        # stacks of 5, 4, 4 units), a segment's recomputed with the statistics the forward saw
+        ("resnet", "sgd_momentum", {"scan_levels": 2}),
     ],
     ids=[
         "revnet-adamw-remat_full",
         "revnet-sgd_nesterov-reversible_false",
         "resnet-adamw-remat_full",
         "resnet-sgd_momentum-no_remat",
+        "resnet-sgd_momentum-scan_levels_2",
     ],
 )
 def test_fused_step_equals_two_phase_step_float64(family, name, kwargs):
@@ -150,7 +159,7 @@ def test_fused_step_equals_two_phase_step_float64(family, name, kwargs):
     ("kwargs", "named"),
     [
         ({"scan_units": False}, "scan_units=false"),
-        ({"scan_units": True, "scan_levels": 2}, "scan_levels=2"),
+        ({"scan_units": True, "scan_levels": 3}, r"scan_levels=3 \(the fused step nests two"),
     ],
 )
 def test_resnet_layouts_without_stacks_are_refused_naming_the_option(kwargs, named):
@@ -158,3 +167,19 @@ def test_resnet_layouts_without_stacks_are_refused_naming_the_option(kwargs, nam
     with pytest.raises(ValueError, match=named) as e:
         resnet.stage_stacks(m)
     assert "Fix: model.options.scan_units=true" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "levels", "save_every"),
+    [
+        ("resnet32", None, [None] * 3),
+        ("resnet32", 1, [None] * 3),  # one checkpointed scan: every unit's input saved
+        ("resnet32", 2, [3, 2, 2]),  # stacks of 5, 4, 4 units: lengths (2, 3), (2, 2), (2, 2)
+        ("resnet110", 2, [6, 6, 6]),  # stacks of 18, 17, 17: (3, 6), (3, 6), (3, 6)
+    ],
+)
+def test_resnet_scan_levels_map_to_each_stages_save_every(name, levels, save_every):
+    # scan_levels=2's nesting as the fused step runs it: the input of every k-th unit of a
+    # stage saved, k the inner length rn.remat_scan_lengths gives the stage's nested scan.
+    m = resnet.ResNet(resnet.ARCHS[name], scan_units=True, scan_levels=levels)
+    assert [s.save_every for s in resnet.stage_stacks(m).stages] == save_every

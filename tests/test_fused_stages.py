@@ -5,8 +5,9 @@ variance, a running average of the mean as state) and a non-stacked function bet
 checked against the two-phase step (``jax.value_and_grad`` with the new state as aux, then
 ``optimizer.update``): parameters, optimizer state and running averages equal after several
 float64 steps, with the second stack's inputs saved, rebuilt by an inverse, or by a fused
-backward. Under data-parallel ``jax.shard_map`` (4 devices, BatchNorm's statistics averaged
-over them) and under ``jax.vmap`` the step equals the unmapped one.
+backward; with ``save_every`` (inputs saved every k layers, layers whose outputs read their
+state), and the memory it saves. Under data-parallel ``jax.shard_map`` (4 devices, BatchNorm's
+statistics averaged over them) and under ``jax.vmap`` the step equals the unmapped one.
 """
 
 from __future__ import annotations
@@ -79,11 +80,11 @@ def stages(form):
     ]
 
 
-def loss_fn(params, state, x):
-    """The model written out, for jax.grad: (loss, (aux, new state))."""
+def loss_fn(params, state, x, first=layer_a):
+    """The model written out, for jax.grad: (loss, (aux, new state)); ``first``: stage a's layer."""
     h, s = embed(params, state, x)
     new = {}
-    for key, fn, before in (("a", layer_a, None), ("b", layer_b, down)):
+    for key, fn, before in (("a", first, None), ("b", layer_b, down)):
         if before is not None:
             h, s = before(params, s, h)
 
@@ -96,27 +97,29 @@ def loss_fn(params, state, x):
     return loss, (aux, {**s, **new})
 
 
-def two_phase(tx):
+def two_phase(tx, first=layer_a):
     def step(params, opt_state, state, x):
-        (loss, (aux, state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x)
+        (loss, (aux, state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, state, x, first
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, state, (loss, aux)
 
     return step
 
 
-def make(dtype):
+def make(dtype, la=LA):
     k = jax.random.split(jax.random.key(0), 8)
     n = lambda i, *shape: jax.random.normal(k[i], shape, dtype) / shape[-1] ** 0.5  # noqa: E731
     params = {
         "embed": n(0, 4, D),
-        "a": {"w": n(1, LA, D, D), "g": jnp.ones((LA, D), dtype)},
+        "a": {"w": n(1, la, D, D), "g": jnp.ones((la, D), dtype)},
         "down": n(2, D, D),
         "b": {"wf": n(3, LB, D // 2, D // 2), "wg": n(4, LB, D // 2, D // 2)},
         "out": n(5, D, 1),
     }
     state = {
-        "a": {"avg": jnp.zeros((LA, D), dtype)},
+        "a": {"avg": jnp.zeros((la, D), dtype)},
         "b": {"f": jnp.zeros((LB, D // 2), dtype), "g": jnp.zeros((LB, D // 2), dtype)},
         "down_avg": jnp.zeros((D,), dtype),
         "head_avg": jnp.zeros((D,), dtype),
@@ -175,6 +178,62 @@ def test_clip_norm_and_norms_equal_the_two_phase_step_float64():
     assert float(got["grad_norm"]) > 0.05  # the clip was active
 
 
+# --- save_every: a stage's inputs saved every k layers, a segment's recomputed in the backward ---
+
+
+def layer_s(p, c, h):
+    """``layer_a`` whose output also reads its state (as eval-mode BatchNorm's does): recomputed
+    with another layer's state, or with the state it moved to, it gives other gradients."""
+    y, avg = norm(h, c["avg"])
+    return h + jnp.tanh((y + c["avg"][None, :]) @ p["w"]) * p["g"][None, :], {"avg": avg}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_save_every_equals_two_phase_step_float64(k):
+    # Stage a: 5 layers whose outputs read their state (segments of k layers, the last one
+    # shorter for k = 2, 3), each with its own state from the start; stage b: 2 couplings
+    # (k = 3: one segment shorter than k). Each recomputed layer must run with the state the
+    # forward gave it, and the state must move once per step.
+    tx = optax.adam(1e-2)
+    with jax.enable_x64(True):
+        params, state, x = make(jnp.float64, la=5)
+        state["a"]["avg"] = jax.random.normal(jax.random.key(7), (5, D), jnp.float64)
+        parts = [
+            rn.FusedStage("a", layer_s, save_every=k),
+            rn.FusedStage("b", layer_b, before=jax.checkpoint(down), save_every=k),
+        ]
+        step = rn.fused_update_stages(embed, parts, head, tx, has_aux=True)
+        fused = run(step, params, tx.init(params), state, x)
+        ref = run(two_phase(tx, layer_s), params, tx.init(params), state, x)
+        errs = [rel_err(a, b) for a, b in zip(fused[:3], ref[:3], strict=True)]
+    shown = ", ".join(f"{e:.2g}" for e in errs)
+    print(f"save_every={k}: {STEPS} steps float64, params/opt_state/state rel err {shown}")
+    assert jax.tree.structure(fused[:3]) == jax.tree.structure(ref[:3])
+    assert max(errs) <= 1e-6
+
+
+def test_save_every_holds_a_segments_inputs_and_the_saved_ones():
+    """A stage's layer inputs held: ceil(L / k) saved + k recomputed, instead of L."""
+    depth, width, batch = 32, 64, 512
+    tx = optax.adam(1e-3)
+    params = {"a": {"w": jnp.zeros((depth, width, width)), "g": jnp.ones((depth, width))}}
+    state = {"a": {"avg": jnp.zeros((depth, width))}}
+    x = jnp.zeros((batch, width))
+    temp = {}
+    for k in (None, 4):
+        step = rn.fused_update_stages(
+            lambda r, s, x: (x, s),
+            [rn.FusedStage("a", layer_a, save_every=k)],
+            lambda r, s, h, x: (jnp.mean(h**2), s),
+            tx,
+        )
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, tx.init(params), state, x)
+        temp[k] = lowered.compile().memory_analysis().temp_size_in_bytes
+    h_bytes = batch * width * 4
+    print(f"temp by save_every: {temp}; one layer's input {h_bytes} B")
+    assert temp[None] - temp[4] >= (32 - 12) * h_bytes * 0.95  # 8 + 4 inputs instead of 32
+
+
 def test_state_without_a_stages_key_and_empty_state():
     def plain(p, c, h):
         return jnp.tanh(h @ p), c
@@ -203,6 +262,21 @@ def test_state_without_a_stages_key_and_empty_state():
         ({"stages": []}, TypeError, "non-empty sequence of rn.FusedStage"),
         ({"stages": [rn.FusedStage("a", layer_a)] * 2}, ValueError, "its own stack"),
         ({"clip_norm": 0.0}, ValueError, "clip_norm must be a positive"),
+        (
+            {"stages": [rn.FusedStage("a", layer_a, save_every=0)]},
+            ValueError,
+            r"fused_update_stages: stage 'a': save_every must be a positive int .* got 0\.",
+        ),
+        (
+            {"stages": [rn.FusedStage("a", layer_a, save_every=True)]},
+            ValueError,
+            "save_every must be a positive int",
+        ),
+        (
+            {"stages": [rn.FusedStage("b", layer_b, backward=COUPLING.backward, save_every=2)]},
+            ValueError,
+            r"stages \['b'\] give save_every with inverse or backward.*Fix: drop save_every",
+        ),
     ],
 )
 def test_bad_stages_and_options_are_refused(args, error, match):

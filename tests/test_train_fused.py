@@ -220,8 +220,9 @@ def _stage_steps(model, optim: Optim, n=3, name="revnet38"):
     return out
 
 
-def _stage_model(name):
-    """A quarter-width float64 RevNet-38 or ResNet-32 (scan_units), each unit under ``full``."""
+def _stage_model(name, **options):
+    """A quarter-width float64 RevNet-38 or ResNet-32 (scan_units and ``options``), each unit
+    under ``full``."""
     from models import resnet, revnet
 
     full = rn.plan({"default": "recompute"})
@@ -229,29 +230,43 @@ def _stage_model(name):
         arch = revnet.ARCHS[name].scaled(0.25)
         return revnet.RevNet(arch, dtype=jnp.float64, recon_dtype=jnp.float64, remat=full)
     arch = resnet.ARCHS[name].scaled(0.25)
-    return resnet.ResNet(arch, dtype=jnp.float64, remat=full, scan_units=True)
+    return resnet.ResNet(arch, dtype=jnp.float64, remat=full, scan_units=True, **options)
 
 
-@pytest.mark.parametrize("name", ["revnet38", "resnet32"])
+_SGD_NESTEROV = Optim(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+_ADAMW = Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1)
+
+
 @pytest.mark.parametrize(
-    "optim",
+    ("name", "options", "optim"),
     [
-        Optim(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4),
-        Optim(name="adamw", lr=1e-2, weight_decay=0.1, warmup_steps=1),
-    ],
-    ids=["sgd_nesterov", "adamw"],
+        pytest.param(name, {}, optim, id=f"{optim_id}-{name}")
+        for name in ("revnet38", "resnet32")
+        for optim_id, optim in (("sgd_nesterov", _SGD_NESTEROV), ("adamw", _ADAMW))
+    ]
+    # scan_levels=2 (each stage's units in a nested rn.remat_scan): the fused step saves the
+    # input of every k-th unit of a stage (save_every 3, 2, 2 for stacks of 5, 4, 4 units).
+    + [pytest.param("resnet32", {"scan_levels": 2}, _ADAMW, id="adamw-resnet32-scan_levels_2")],
 )
-def test_cnn_fused_step_equals_two_phase_step_with_batch_stats(optim, name):
+def test_cnn_fused_step_equals_two_phase_step_with_batch_stats(name, options, optim, monkeypatch):
     # Stages of stacks with BatchNorm (models.StageStacks, fused_update_stages): a RevNet's
     # coupling stacks, a ResNet's scanned units after each stage's first unit. The fused step's
     # new batch_stats are the forward pass's, as the two-phase step's mutable apply returns
     # them; weight decay masked off biases and BatchNorm scales (the config's).
+    real, save_every = rn.fused_update_stages, []
+
+    def recorded(embed, stages, *args, **kwargs):  # what the trainer hands the fused step
+        save_every.append([s.save_every for s in stages])
+        return real(embed, stages, *args, **kwargs)
+
+    monkeypatch.setattr(rn, "fused_update_stages", recorded)
     with jax.enable_x64(True):
-        out = _stage_steps(_stage_model(name), optim, name=name)
+        out = _stage_steps(_stage_model(name, **options), optim, name=name)
         (fused, fm), (ref, rm) = out["fused"], out["two_phase"]
         errs = [rel_err(getattr(fused, k), getattr(ref, k)) for k in ("params", "opt_state")]
         errs.append(rel_err(fused.batch_stats, ref.batch_stats))
-    print(f"{name}/4 {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
+    print(f"{name}/4 {options} {optim.name}, 3 steps float64: params/opt_state/batch_stats {errs}")
+    assert save_every == [[3, 2, 2] if options else [None] * 3]
     assert jax.tree.structure(fused) == jax.tree.structure(ref)
     assert max(errs) <= 1e-6
     assert int(fused.step) == 3 and abs(float(fm["loss"]) - float(rm["loss"])) <= 1e-9

@@ -250,6 +250,7 @@ def _stages_step(
             before=None if before is None else lambda r, c, h: before(cast(r), c, h),
             inverse=None if s.inverse is None else lambda p, c, y: s.inverse(cast(p), c, y),
             backward=None if s.backward is None else _cast_backward(s.backward, compute_dtype),
+            save_every=s.save_every,
         )
 
     return rn.fused_update_stages(
