@@ -8,7 +8,8 @@ keeps its input and, under a remat plan, recomputes through :func:`remat_nn.nnx.
 BatchNorm, ReLU, global average pooling and a linear head. The registry entry ``nnx_revnet``
 wraps it with ``flax.nnx.bridge.to_linen`` so ``python -m train`` initializes and applies it like
 any linen model: parameters under ``params``, BatchNorm averages under ``batch_stats``, the
-``dropout`` key of the step handed to the NNX module's ``nnx.Rngs``.
+``dropout`` key of the step handed to the NNX module's ``nnx.Rngs``. :func:`stage_stacks` gives it
+as stem, stages and head for ``train.update_in_backward`` (:func:`remat_nn.fused_update_stages`).
 
 Shape legend: B batch, H = W image size, C channels (``width``).
 
@@ -20,6 +21,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -28,12 +30,12 @@ import pydantic
 from flax import nnx
 
 import remat_nn as rn
-from models._cifar import NAMES, REMAT_PRESETS
-from models._spec import ModelSpec, remat_option
+from models._cifar import NAMES, REMAT_PRESETS, _policy
+from models._spec import ModelSpec, StageStacks, remat_option
 from remat_nn import names
 from remat_nn import nnx as rnnx
 
-__all__ = ["NNXRevNet", "NNXRevNetOptions", "build"]
+__all__ = ["NNXRevNet", "NNXRevNetOptions", "build", "stage_stacks"]
 
 
 class _BNReLUConv(nnx.Module):
@@ -111,8 +113,102 @@ class NNXRevNet(nnx.Module):
         if self.remat is not None:
             down = rnnx.remat(down, policy=self.remat, static_argnums=(2,))
         h = self.stage2(down(self.down, h, train), train=train)  # (B, H / 2, W / 2, 2C)
-        h = jax.nn.relu(self.norm(h, use_running_average=not train))
-        return self.head(h.mean(axis=(1, 2)).astype(jnp.float32))  # (B, num_classes)
+        return _classify(self.norm, self.head, h, train)
+
+
+def _classify(norm: nnx.BatchNorm, head: nnx.Linear, h: jax.Array, train: bool) -> jax.Array:
+    """The head: BatchNorm, ReLU, global average pooling, then the float32 linear layer."""
+    h = jax.nn.relu(norm(h, use_running_average=not train))  # (B, H, W, C)
+    return head(h.mean(axis=(1, 2)).astype(jnp.float32))  # (B, num_classes)
+
+
+# --- the stages as stacks, for the optimizer update inside the backward pass ---------------------
+
+
+def stage_stacks(module: nnx.bridge.ToLinen) -> StageStacks:
+    """The NNX RevNet as stem, stages (downsampling unit, stack of couplings) and head.
+
+    The same computation as ``module.apply(variables, images, train=True,
+    mutable=["batch_stats"])`` on the bridge's variables (each stack's at
+    ``params["stage1"]["layers"]``, stacked on a leading layer axis by ``nnx.vmap``), for
+    :func:`remat_nn.fused_update_stages`: the stem, then per stage the downsampling unit
+    (stage 2) under the model's remat plan and the stack of couplings, each layer run by
+    :func:`remat_nn.nnx.coupling_layer` (the sequence's own block) and its input rebuilt from
+    its output by the coupling's fused inverse and VJP (saved instead with
+    ``reversible=False``); then the head. Each part is the model's own submodule, merged
+    (``nnx.merge``) with its slice of the variables; the residual stream between the parts is
+    the pair of channel halves.
+
+    >>> m = build(width=4, depth=2)
+    >>> x = jnp.ones((2, 8, 8, 1))
+    >>> v = m.init(jax.random.key(0), x)
+    >>> logits, stats = stage_stacks(m).apply(v["params"], v["batch_stats"], x)
+    >>> want, new = m.apply(v, x, train=True, mutable=["batch_stats"])
+    >>> bool(jnp.allclose(logits, want, atol=1e-6)), jax.tree.structure(stats) == (
+    ...     jax.tree.structure(new["batch_stats"]))
+    (True, True)
+    """
+    if not isinstance(module, nnx.bridge.ToLinen) or module.nnx_class is not NNXRevNet:
+        raise TypeError(
+            f"nnx_revnet.stage_stacks: `module` must be the model nnx_revnet.build returns (an "
+            f"NNXRevNet under nnx.bridge.to_linen), got {type(module).__name__}. Fix: "
+            "stage_stacks(nnx_revnet.build(...))."
+        )
+    # Structure only: the submodules' graph definitions and static attributes, no arrays.
+    model = nnx.eval_shape(lambda: NNXRevNet(*module.args, **module.kwargs, rngs=nnx.Rngs(0)))
+    stem, norm, head = (nnx.graphdef(getattr(model, k)) for k in ("stem", "norm", "head"))
+
+    def embed(rest: Any, stats: Any, images: jax.Array) -> tuple[Any, Any]:
+        return _pair(nnx.merge(stem, rest["stem"])(images)), stats
+
+    def classify(rest: Any, stats: Any, h: Any) -> tuple[jax.Array, Any]:
+        unit = nnx.merge(norm, rest["norm"], stats["norm"])
+        logits = _classify(unit, nnx.merge(head, rest["head"]), _merged(h), True)
+        return logits, {**stats, "norm": _stats(unit)}
+
+    down = rn.checkpoint(partial(_down, nnx.graphdef(model.down)), policy=_policy(model.remat))
+    stage1 = _coupling_stage(model.stage1, "stage1")
+    return StageStacks(embed, (stage1, _coupling_stage(model.stage2, "stage2", down)), classify)
+
+
+def _pair(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x1, x2 = jnp.split(x, 2, axis=-1)  # (B, H, W, C/2) each, as the sequence splits it
+    return x1, x2
+
+
+def _merged(h: tuple[jax.Array, jax.Array]) -> jax.Array:
+    return jnp.concatenate(h, axis=-1)  # (B, H, W, C)
+
+
+def _stats(unit: nnx.Module) -> Any:
+    """A unit's variables but its parameters (BatchNorm's averages), as the bridge stores them."""
+    return nnx.to_pure_dict(nnx.state(unit, nnx.Not(nnx.Param)))
+
+
+def _down(graphdef: nnx.GraphDef, rest: Any, stats: Any, h: Any) -> tuple[Any, Any]:
+    """The downsampling unit on the stream ``h``, its batch statistics updated in ``stats``."""
+    unit = nnx.merge(graphdef, rest["down"], stats["down"])
+    y = unit(_merged(h), True)  # (B, H / 2, W / 2, 2C)
+    return _pair(y), {**stats, "down": _stats(unit)}
+
+
+def _coupling_stage(
+    sequence: rnnx.ReversibleSequence, key: str, before: Any = None
+) -> rn.FusedStage:
+    """A stage's stack of couplings as its ``ReversibleSequence`` runs them, in training mode."""
+    block = rnnx.coupling_layer(sequence, train=True)
+
+    def layer(p: Any, c: Any, h: Any) -> tuple[Any, Any]:
+        y, new = block.forward(p["layers"], c["layers"], h)
+        return y, {"layers": new}
+
+    def backward(p: Any, c: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
+        assert block.backward is not None  # a coupling's layer has its fused backward
+        h, dp, dh = block.backward(p["layers"], c["layers"], y, dy)
+        return h, {"layers": dp}, dh
+
+    reversible = sequence.reversible
+    return rn.FusedStage(key, layer, before=before, backward=backward if reversible else None)
 
 
 # --- registry ---------------------------------------------------------------------------------
@@ -201,5 +297,6 @@ SPECS: dict[str, ModelSpec] = {
         "classify",
         "a small RevNet written in Flax NNX (remat_nn.nnx), trained through nnx.bridge.to_linen",
         REMAT_PRESETS,
+        stage_stacks=stage_stacks,
     ),
 }

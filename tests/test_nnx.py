@@ -298,6 +298,52 @@ def test_reversible_sequence_bad_call_arguments():
         seq(XS[:, :4], train=jnp.array(True))
     with pytest.raises(ValueError, match=r"even size"):
         seq(XS[:, :3])
+
+
+class NormDense(nnx.Module):
+    """F or G without RNG streams: BatchNorm -> Linear (small init) -> tanh."""
+
+    def __init__(self, d, rngs):
+        self.bn = nnx.BatchNorm(d, rngs=rngs)
+        self.lin = nnx.Linear(d, d, kernel_init=nnx.initializers.normal(0.3 / d**0.5), rngs=rngs)
+
+    def __call__(self, x, *, train=True):
+        return jnp.tanh(self.lin(self.bn(x, use_running_average=not train)))
+
+
+def test_coupling_layer_runs_one_layer_as_the_sequence_does():
+    # rnnx.coupling_layer: a ReversibleSequence's layer for a caller that scans the layers itself,
+    # over pure dicts of one layer's variables. Scanned over the stacked ones, it gives the
+    # sequence's training-mode output and BatchNorm averages; its inverse and its fused backward
+    # give the input back and plain autodiff's VJP.
+    def build():
+        coupling = lambda r: rnnx.AdditiveCoupling(NormDense(8, r), NormDense(8, r))  # noqa: E731
+        return rnnx.ReversibleSequence(coupling, 3, rngs=nnx.Rngs(0))
+
+    seq = nnx.jit(build)()
+    params = nnx.to_pure_dict(nnx.state(seq.layers, nnx.Param))
+    stats = nnx.to_pure_dict(nnx.state(seq.layers, nnx.BatchStat))
+    layer = rnnx.coupling_layer(seq, train=True)
+    x = tuple(jnp.split(XS, 2, axis=-1))  # (4, 8) each
+    scan = jax.jit(lambda p, s, h: jax.lax.scan(lambda h, ps: layer.forward(*ps, h), h, (p, s)))
+    y, new = scan(params, stats, x)
+    want = nnx.jit(lambda s: s(XS, train=True))(seq)  # updates seq's averages
+    assert rel_err(jnp.concatenate(y, axis=-1), want) <= 1e-6
+    assert rel_err(new, nnx.to_pure_dict(nnx.state(seq.layers, nnx.BatchStat))) <= 1e-6
+    assert rel_err(new, stats) > 1e-3  # they did change
+    p0, s0 = (jax.tree.map(lambda a: a[0], t) for t in (params, stats))
+    y0 = layer.forward(p0, s0, x)[0]
+    assert rel_err(layer.inverse(p0, s0, y0), x) <= 1e-5
+    dy = (jnp.ones((4, 8)), -jnp.ones((4, 8)))
+    h, dp, dx = layer.backward(p0, s0, y0, dy)
+    want_dp, want_dx = jax.vjp(lambda p, h: layer.forward(p, s0, h)[0], p0, x)[1](dy)
+    assert rel_err(h, x) <= 1e-5
+    # float32 round-off through BatchNorm's batch statistics of 4 examples: 1.4e-5 measured
+    assert rel_err((dp, dx), (want_dp, want_dx)) <= 1e-4
+    with pytest.raises(ValueError, match=r"hold RNG streams .*Fix: build F and G"):
+        rnnx.coupling_layer(_stack(rnnx.AdditiveCoupling, 2))  # Residual's dropout stream
+    with pytest.raises(TypeError, match=r"must be a ReversibleSequence of couplings, got"):
+        rnnx.coupling_layer(seq.layers)
     with pytest.raises(TypeError, match=r"argument `f` must be a callable"):
         rnnx.AdditiveCoupling(3, nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 

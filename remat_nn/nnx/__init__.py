@@ -18,7 +18,7 @@ from remat_nn.nnx._remat import checkpoint, remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
 from remat_nn.nnx._coupling import AdditiveCoupling, AffineCoupling, Coupling
-from remat_nn.nnx._reversible import ReversibleSequence
+from remat_nn.nnx._reversible import ReversibleSequence, coupling_layer
 
 # --- memory report and planner on NNX modules ----------------------------------------------------
 from remat_nn.nnx._pure import pure
@@ -31,6 +31,7 @@ __all__: list[str] = [
     "AffineCoupling",
     "Coupling",
     "ReversibleSequence",
+    "coupling_layer",
     # memory report and planner
     "pure",
 ]

@@ -32,7 +32,7 @@ from remat_nn._reversible import (
 )
 from remat_nn.nnx._coupling import Coupling
 
-__all__ = ["ReversibleSequence"]
+__all__ = ["ReversibleSequence", "coupling_layer"]
 
 # How one layer's state is split: parameters (differentiated), then the per-layer constants.
 _FILTERS = (nnx.Param, nnx.RngKey, nnx.RngCount, ...)
@@ -221,3 +221,74 @@ class ReversibleSequence(nnx.Module):
     def __call__(self, x: Any, **kwargs: Any) -> Any:
         """Same as :meth:`forward`."""
         return self.forward(x, **kwargs)
+
+
+def coupling_layer(
+    sequence: ReversibleSequence, *, compute_dtype: Any = None, **kwargs: Any
+) -> ReversibleBlock:
+    """One layer of an NNX :class:`ReversibleSequence` of couplings, as the sequence runs it.
+
+    The NNX twin of :func:`remat_nn.nn.coupling_layer`, for a caller that scans the layers
+    itself (e.g. :func:`remat_nn.fused_update_stages`): ``forward`` / ``inverse`` / the fused
+    ``backward`` of the sequence's own block, over one layer's variables as pure dicts
+    (``nnx.to_pure_dict(state)``, the layout ``nnx.bridge.to_linen`` stores) with the layer
+    axis removed: ``params`` its ``nnx.Param`` s, ``state`` the others (BatchNorm's averages).
+    ``forward`` returns the updated ``state`` (training-mode BatchNorm's running averages), as
+    the sequence's forward pass does; ``inverse`` and ``backward`` run with ``state`` and drop
+    their updates.
+
+    Args:
+      sequence: the sequence (an abstract one from ``nnx.eval_shape`` will do: only its
+        structure is read), its layers couplings without RNG streams.
+      compute_dtype: the dtype F and G receive their inputs in (the sequence's, under
+        ``recon_dtype``: the input's dtype); None: the stream's.
+      **kwargs: static keyword arguments for F and G (e.g. ``train=True``).
+
+    Raises:
+      TypeError: ``sequence`` is not a ``ReversibleSequence`` of couplings.
+      ValueError: its layers hold RNG streams (this block draws no keys).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from remat_nn import nnx as rnnx
+    >>> dense = lambda rngs: nnx.Linear(2, 2, rngs=rngs)
+    >>> seq = rnnx.ReversibleSequence(
+    ...     lambda rngs: rnnx.AdditiveCoupling(dense(rngs), dense(rngs)), 3, rngs=nnx.Rngs(0)
+    ... )
+    >>> layer = rnnx.coupling_layer(seq)
+    >>> params = nnx.to_pure_dict(nnx.state(seq.layers, nnx.Param))  # stacked: (3, ...)
+    >>> x = (jnp.ones((1, 2)), jnp.zeros((1, 2)))
+    >>> y, _ = jax.lax.scan(lambda h, p: (layer.forward(p, {}, h)[0], None), x, params)
+    >>> bool(jnp.allclose(jnp.concatenate(y, -1), seq(jnp.concatenate(x, -1))))
+    True
+    """
+    if not isinstance(sequence, ReversibleSequence) or not isinstance(sequence.layers, Coupling):
+        raise TypeError(
+            f"coupling_layer: `sequence` must be a ReversibleSequence of couplings, got "
+            f"{type(sequence).__name__}. Fix: rnnx.ReversibleSequence(lambda rngs: "
+            "rnnx.AdditiveCoupling(F(rngs), G(rngs)), depth, rngs=rngs)."
+        )
+    graphdef, _, keys, counts, _ = nnx.split(sequence.layers, *_FILTERS)
+    if jax.tree.leaves((keys, counts)):
+        streams = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(keys)]
+        raise ValueError(
+            f"coupling_layer: the sequence's layers hold RNG streams {streams}, and this layer "
+            "draws no keys (its dropout masks would not be the sequence's). Fix: build F and G "
+            "without nnx.Rngs streams (e.g. no Dropout), or call the sequence itself."
+        )
+    block = _block(graphdef, sequence.layers, kwargs, compute_dtype)
+    backward = block.backward
+    assert backward is not None  # a coupling's block has its fused backward
+
+    def consts(state: Any) -> dict[str, Any]:
+        return {"keys": keys, "counts": counts, "rest": state}
+
+    def forward(p: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        y, new = block.forward(p, consts(state), x)
+        return y, nnx.to_pure_dict(new["rest"])
+
+    return ReversibleBlock(
+        forward,
+        lambda p, state, y: block.inverse(p, consts(state), y),
+        lambda p, state, y, dy: backward(p, consts(state), y, dy),
+    )
