@@ -135,6 +135,11 @@ def remat_plan(
 # --- layers -----------------------------------------------------------------------------------
 
 
+def _at_least_float32(dtype: Any) -> Any:
+    """bfloat16 and float16 widened to float32; float32 and float64 as they are."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _rotary(x: jax.Array) -> jax.Array:
     """Rotates pairs of channels of ``x`` (B, T, H, K) by position-dependent angles (RoPE)."""
     _, t, _, k = x.shape
@@ -175,8 +180,8 @@ class CausalSelfAttention(fnn.Module):
         scores = jnp.einsum("bthk,bshk->bhts", q, key) / math.sqrt(k)  # (B, H, T, T)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # (T, T)
         scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
-        # softmax in at least float32 (float64 stays float64); stored in the compute dtype.
-        wide = jnp.promote_types(scores.dtype, jnp.float32)
+        # softmax in at least float32; stored (if saved) in the compute dtype.
+        wide = _at_least_float32(scores.dtype)
         probs = jax.nn.softmax(scores.astype(wide), axis=-1).astype(self.dtype)
         probs = rn.name(probs, names.ATTENTION_SCORES)  # (B, H, T, T)
         probs = fnn.Dropout(self.dropout, deterministic=not train)(probs)
@@ -292,7 +297,8 @@ class Transformer(fnn.Module):
         differentiates the same network (same variables) by plain autodiff: the reference.
       dropout: dropout rate (embeddings, attention probabilities, sub-layer outputs).
       dtype: compute dtype: every matmul of the blocks, and the norms' outputs (their
-        statistics and the softmax are float32); parameters and the logits stay float32.
+        statistics and the softmax are at least float32); parameters and the logits stay at
+        least float32 (float64 compute stays float64 throughout).
       recon_dtype: with ``reversible``, dtype of the residual stream ``(x1, x2)``: attention and
         MLP compute in ``dtype`` and their outputs are added in ``recon_dtype``, so the
         backward's reconstruction is float32 under bfloat16 compute and does not drift with
@@ -338,9 +344,9 @@ class Transformer(fnn.Module):
         _check_scan_levels(self.scan_levels, self.scan_layers, self.reversible, self.dropout)
         x = fnn.Dropout(self.dropout, deterministic=not train)(x)
         x = self._reversible_stack(x, train) if self.reversible else self._stack(x, train)
-        # The head is float32 under any compute dtype (3 matmuls of the gradient: D x V per
-        # token, small beside the blocks'): logits and the loss see unrounded features.
-        x = fnn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)  # (B, T, D)
+        # The head is at least float32 under any compute dtype (3 matmuls of the gradient: D x V
+        # per token, small beside the blocks'): logits and the loss see unrounded features.
+        x = fnn.LayerNorm(dtype=_at_least_float32(self.dtype), name="ln_f")(x)  # (B, T, D)
         return embed.attend(x)  # (B, T, V) float32, tied to the token embedding
 
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
@@ -625,7 +631,7 @@ def layer_stack(module: Transformer) -> LayerStack:
         return x
 
     def head(rest: Any, x: jax.Array) -> jax.Array:
-        x = fnn.LayerNorm(dtype=jnp.float32).apply({"params": rest["ln_f"]}, x)  # (B, T, D)
+        x = fnn.LayerNorm(dtype=_at_least_float32(o.dtype)).apply({"params": rest["ln_f"]}, x)
         return wte.apply({"params": rest["wte"]}, x, method="attend")  # (B, T, V)
 
     if o.reversible:
