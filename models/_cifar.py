@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import pydantic
 
 import remat_nn as rn
-from models._spec import ModelSpec, remat_option
+from models._spec import ModelSpec, at_least_float32, remat_option
 from remat_nn import names
 
 __all__ = ["ARCHS", "NAMES", "REMAT_PRESETS", "Arch", "ResidualFn", "Shortcut", "family_specs"]
@@ -201,7 +201,7 @@ class Shortcut(fnn.Module):
 
 
 class _Head(fnn.Module):
-    """BN-ReLU, global average pooling, linear classifier (float32 logits)."""
+    """BN-ReLU, global average pooling, linear classifier (logits in at least float32)."""
 
     num_classes: int
     train: bool = False
@@ -209,11 +209,12 @@ class _Head(fnn.Module):
 
     @fnn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        # The classifier is float32 under any compute dtype (3 small matmuls of the gradient):
-        # the pooled features are not rounded to bfloat16 on their way to the logits.
-        x = jax.nn.relu(_bn(self.train, self.dtype, "bn")(x)).astype(jnp.float32)
+        # The classifier is at least float32 under any compute dtype (3 small matmuls of the
+        # gradient): the pooled features are not rounded to bfloat16 on their way to the logits.
+        wide = at_least_float32(self.dtype)
+        x = jax.nn.relu(_bn(self.train, self.dtype, "bn")(x)).astype(wide)
         x = jnp.mean(x, axis=(1, 2))  # (B, C)
-        return fnn.Dense(self.num_classes, dtype=jnp.float32, name="fc")(x)
+        return fnn.Dense(self.num_classes, dtype=wide, name="fc")(x)
 
 
 # --- options and registry entries -------------------------------------------------------------

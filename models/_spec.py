@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import flax.linen as fnn
 import jax
+import jax.numpy as jnp
 import pydantic
 
 import remat_nn as rn
@@ -18,6 +19,7 @@ __all__ = [
     "LayerStack",
     "ModelSpec",
     "StageStacks",
+    "at_least_float32",
     "check_scan_levels",
     "nesting_holds_fewer",
     "remat_option",
@@ -196,6 +198,16 @@ def check_scan_levels(levels: Any, where: str) -> None:
             f"{where}scan_levels must be an int >= 1 (1: one checkpointed scan; 2: sqrt(depth) "
             f"nesting) or None, got {type(levels).__name__} {levels!r}. Fix: scan_levels=2."
         )
+
+
+def at_least_float32(dtype: Any) -> Any:
+    """The dtype of a model's heads and softmaxes: bfloat16 and float16 widened to float32,
+    float32 and float64 as they are (a float64 model stays float64 to its logits).
+
+    >>> at_least_float32(jnp.bfloat16), at_least_float32(jnp.float64)
+    (dtype('float32'), dtype('float64'))
+    """
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def nesting_holds_fewer(n: int, levels: int = 2) -> bool:

@@ -31,7 +31,7 @@ from flax import nnx
 
 import remat_nn as rn
 from models._cifar import NAMES, REMAT_PRESETS, _policy
-from models._spec import ModelSpec, StageStacks, remat_option
+from models._spec import ModelSpec, StageStacks, at_least_float32, remat_option
 from remat_nn import names
 from remat_nn import nnx as rnnx
 
@@ -117,9 +117,10 @@ class NNXRevNet(nnx.Module):
 
 
 def _classify(norm: nnx.BatchNorm, head: nnx.Linear, h: jax.Array, train: bool) -> jax.Array:
-    """The head: BatchNorm, ReLU, global average pooling, then the float32 linear layer."""
+    """The head: BatchNorm, ReLU, global average pooling, then the linear layer in at least
+    float32."""
     h = jax.nn.relu(norm(h, use_running_average=not train))  # (B, H, W, C)
-    return head(h.mean(axis=(1, 2)).astype(jnp.float32))  # (B, num_classes)
+    return head(h.mean(axis=(1, 2)).astype(at_least_float32(h.dtype)))  # (B, num_classes)
 
 
 # --- the stages as stacks, for the optimizer update inside the backward pass ---------------------

@@ -35,7 +35,13 @@ import jax.numpy as jnp
 import pydantic
 
 import remat_nn as rn
-from models._spec import LayerStack, ModelSpec, check_scan_levels, nesting_holds_fewer
+from models._spec import (
+    LayerStack,
+    ModelSpec,
+    at_least_float32,
+    check_scan_levels,
+    nesting_holds_fewer,
+)
 from remat_nn import names
 from remat_nn import nn as rnn
 from remat_nn.errors import did_you_mean
@@ -135,11 +141,6 @@ def remat_plan(
 # --- layers -----------------------------------------------------------------------------------
 
 
-def _at_least_float32(dtype: Any) -> Any:
-    """bfloat16 and float16 widened to float32; float32 and float64 as they are."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _rotary(x: jax.Array) -> jax.Array:
     """Rotates pairs of channels of ``x`` (B, T, H, K) by position-dependent angles (RoPE)."""
     _, t, _, k = x.shape
@@ -181,7 +182,7 @@ class CausalSelfAttention(fnn.Module):
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # (T, T)
         scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
         # softmax in at least float32; stored (if saved) in the compute dtype.
-        wide = _at_least_float32(scores.dtype)
+        wide = at_least_float32(scores.dtype)
         probs = jax.nn.softmax(scores.astype(wide), axis=-1).astype(self.dtype)
         probs = rn.name(probs, names.ATTENTION_SCORES)  # (B, H, T, T)
         probs = fnn.Dropout(self.dropout, deterministic=not train)(probs)
@@ -346,7 +347,7 @@ class Transformer(fnn.Module):
         x = self._reversible_stack(x, train) if self.reversible else self._stack(x, train)
         # The head is at least float32 under any compute dtype (3 matmuls of the gradient: D x V
         # per token, small beside the blocks'): logits and the loss see unrounded features.
-        x = fnn.LayerNorm(dtype=_at_least_float32(self.dtype), name="ln_f")(x)  # (B, T, D)
+        x = fnn.LayerNorm(dtype=at_least_float32(self.dtype), name="ln_f")(x)  # (B, T, D)
         return embed.attend(x)  # (B, T, V) float32, tied to the token embedding
 
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
@@ -631,7 +632,7 @@ def layer_stack(module: Transformer) -> LayerStack:
         return x
 
     def head(rest: Any, x: jax.Array) -> jax.Array:
-        x = fnn.LayerNorm(dtype=_at_least_float32(o.dtype)).apply({"params": rest["ln_f"]}, x)
+        x = fnn.LayerNorm(dtype=at_least_float32(o.dtype)).apply({"params": rest["ln_f"]}, x)
         return wte.apply({"params": rest["wte"]}, x, method="attend")  # (B, T, V)
 
     if o.reversible:

@@ -122,21 +122,28 @@ def test_bfloat16_gradient_matmuls_read_bfloat16_but_the_head(family):
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(F32)}
 
 
-def test_float64_compute_keeps_its_loss_and_gradient_float64():
-    """The softmax, the final norm and the loss run in at least float32: bfloat16 widened as
-    above, float64 kept. Each cast to float32 before, so a float64 run was float32-precise:
-    against central differences (step 1e-6: ~1e-9 in float64) the gradient's projection
-    misses by 4e-2 with the final norm cast back, 6e-3 with the softmax, and the loss cast
-    back is float32. (float64 is for tests: the options take float32 and bfloat16, so the
-    model is cloned to it.)"""
-    name, opts = FAMILIES["transformer-scan"]
+@pytest.mark.parametrize("family", ["transformer-scan", "resnet32"])
+def test_float64_compute_keeps_its_loss_and_gradient_float64(family):
+    """The heads, the softmax and the loss run in at least float32: bfloat16 widened as above,
+    float64 kept. Each cast to float32 before, so a float64 run was float32-precise: against
+    central differences (step 1e-6: ~1e-9 in float64) the gradient's projection misses by
+    4e-2 with the transformer's final norm cast back and 6e-3 with its softmax; with the CNN
+    head's cast or the loss's back, the loss is float32. (float64 is for tests: the options
+    take float32 and bfloat16, so the model is cloned to it.)"""
+    name, opts = FAMILIES[family]
     with jax.enable_x64(True):
         model = models.build(name, **opts).clone(dtype=jnp.float64)
         batch = batch_for(name, opts)
-        params = model.init(jax.random.key(0), batch["x"])["params"]
-        params = jax.tree.map(lambda v: v.astype(jnp.float64), params)
-        loss_fn = make_loss_fn(model, compute_dtype=jnp.float64, has_batch_stats=False)
-        loss = lambda p: loss_fn(p, {}, batch, jax.random.key(2))[0]  # noqa: E731
+        if "image_size" in opts:  # images and labels that BatchNorm does not flatten
+            k = jax.random.split(jax.random.key(3))
+            batch["x"] = jax.random.normal(k[0], batch["x"].shape, jnp.float64)
+            batch["y"] = jax.random.randint(k[1], batch["y"].shape, 0, opts["num_classes"])
+        variables = model.init(jax.random.key(0), batch["x"])
+        params, stats = jax.tree.map(
+            lambda v: v.astype(jnp.float64), (variables["params"], variables.get("batch_stats", {}))
+        )
+        loss_fn = make_loss_fn(model, compute_dtype=jnp.float64, has_batch_stats=bool(stats))
+        loss = lambda p: loss_fn(p, stats, batch, jax.random.key(2))[0]  # noqa: E731
         assert loss(params).dtype == jnp.float64
         counts = matmul_operand_dtypes(jax.grad(loss), params)
         assert set(counts) == {"float64"}, counts
