@@ -472,11 +472,12 @@ def _backward_update(
 
     def body(carry: Any, i: jax.Array) -> Any:
         stack, stacks, dh, sq, y = carry
-        layer = _read(stack, i)
         fn, src = _layer_at(layer_fn, source, consts, i)
-        grad, dh, y = src.vjp(fn, stack, layer, y, dh, i)
+        grad, dh, y = src.vjp(fn, stack, _read(stack, i), y, dh, i)
         grad = grad if clip is None else clip(grad)
-        stack, stacks, sq_i = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
+        stack, stacks, sq_i, (dh, y) = _update_slice(
+            tx, split, layout, stack, stacks, grad, i, after=(dh, y)
+        )
         return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
 
     zero = jnp.zeros((), jnp.result_type(float))
@@ -544,13 +545,18 @@ def _update_slice(
     layout: _Layout,
     stack: Any,
     stacks: list[Any],
-    layer: Any,
     grad: Any,
     i: jax.Array | int,
-) -> tuple[Any, list[Any], tuple[jax.Array, jax.Array]]:
-    """Updates layer ``i`` of the parameter stack and of the state's stack halves."""
+    after: Any = None,
+) -> tuple[Any, list[Any], tuple[jax.Array, jax.Array], Any]:
+    """Updates layer ``i`` of the parameter stack and of the state's stack halves.
 
-    def update(layer: Any, grad: Any, stacks: list[Any], i: jax.Array) -> Any:
+    ``after``: values computed from layer ``i``'s old parameters (in the backward: the input's
+    cotangent and the scan's carry), returned unchanged, the new slices written after them.
+    """
+
+    def update(stack: Any, grad: Any, stacks: list[Any], i: jax.Array, after: Any) -> Any:
+        layer = _read(stack, i)
         slices = [_read(s, i) for s in stacks]
         state_i = _state_for(split, layout, stacks=slices)
         updates, new_state_i = tx.update(layout.join(grad, None), state_i, layout.join(layer, None))
@@ -558,17 +564,23 @@ def _update_slice(
         new_slices = [layout.parts(x)[0] for x, m in zip(new_flat, split[2], strict=True) if m]
         updates = layout.parts(updates)[0]
         sq = (_squared_norm(grad), _squared_norm(updates))
-        return _apply_updates(layer, updates), new_slices, sq
+        return _apply_updates(layer, updates), new_slices, sq, lax.optimization_barrier(after)
 
     # The update runs as a branch of a conditional: XLA does not fuse across it, so no read of an
     # old slice is fused into a consumer scheduled after the slice's write (which would make XLA
     # copy the whole stack each iteration). The state's slices are read inside the branch, which
     # runs once the gradient exists: read outside, XLA scheduled those reads before the layer's
-    # backward, and every state slice (adam: 2 x the layer's bytes) was live at its peak.
-    operands = (layer, grad, stacks, jnp.asarray(i))
-    new_layer, new_slices, sq = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
+    # backward, and every state slice (adam: 2 x the layer's bytes) was live at its peak. So are
+    # the layer's parameters: a slice read outside (the one the VJP read) is materialized for the
+    # branch and stays live from the VJP to the update, across the layer's backward peak. Every
+    # read of the old parameters must still precede their write, or XLA copies the stack's leaf:
+    # the reads feeding only the input's cotangent or the rebuilt input (a reversible layer's)
+    # are not the gradient's, so ``after`` goes through the branch, and the write depends on it.
+    # (The barrier keeps JAX from forwarding ``after`` around the conditional as unchanged.)
+    operands = (stack, grad, stacks, jnp.asarray(i), after)
+    new_layer, new_slices, sq, after = lax.cond(jnp.asarray(i) >= 0, update, update, *operands)
     stack = _write(stack, new_layer, i)
-    return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)], sq
+    return stack, [_write(s, n, i) for s, n in zip(stacks, new_slices, strict=True)], sq, after
 
 
 def _update_rest(
@@ -750,8 +762,7 @@ def _split_update(
     split = _split(opt_state, params, layout)
     stacks = _stack_halves(split, layout)
     for i in reversed(range(_depth(stack))):
-        layer, grad = _read(stack, i), _read(g_stack, i)
-        stack, stacks, _ = _update_slice(tx, split, layout, stack, stacks, layer, grad, i)
+        stack, stacks, *_ = _update_slice(tx, split, layout, stack, stacks, _read(g_stack, i), i)
     rest, state, _ = _update_rest(tx, split, layout, stacks, rest, g_rest)
     return layout.join(stack, rest), state
 
