@@ -1,8 +1,9 @@
 """``train.update_in_backward``: the train step with the optimizer update inside the backward.
 
 For a model whose blocks are one stack (``models.ModelSpec.layer_stack``), the step is
-:func:`remat_nn.fused_update_step`; for stages of stacks with BatchNorm (``stage_stacks``, the
-RevNets), :func:`remat_nn.fused_update_stages`. Each block's slice of the parameters and
+:func:`remat_nn.fused_update_step`; for stages of stacks with BatchNorm (``stage_stacks``: the
+RevNets, linen and NNX, and the ResNets with ``scan_units``),
+:func:`remat_nn.fused_update_stages`. Each block's slice of the parameters and
 optimizer state is updated as soon as its gradient is known, so the full gradient never exists.
 The train state is the same pytree as the two-phase step's (:func:`train.state.make_train_step`),
 so checkpoints of either step resume with the other. :func:`refusal` lists the options it
