@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import models
 from train.errors import SetupError
 
 __all__ = ["LOSSES", "LossFn", "at_least_float32", "cross_entropy", "mse", "resolve"]
@@ -28,13 +29,14 @@ LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]
 
 
 def at_least_float32(outputs: jax.Array) -> jax.Array:
-    """``outputs`` as the loss takes them: bfloat16 and float16 widened to float32, float32 and
-    float64 as they are (a float64 run keeps float64 down to its loss).
+    """``outputs`` as the loss takes them, in the models' rule (:func:`models.at_least_float32`):
+    bfloat16 and float16 widened to float32, float32 and float64 as they are (a float64 run
+    keeps float64 down to its loss).
 
     >>> at_least_float32(jnp.ones(2, jnp.bfloat16)).dtype, at_least_float32(jnp.ones(2)).dtype
     (dtype('float32'), dtype('float32'))
     """
-    return outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
+    return outputs.astype(models.at_least_float32(outputs.dtype))
 
 
 def cross_entropy(outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
