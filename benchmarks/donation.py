@@ -22,6 +22,7 @@ import optax
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import models  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import _workloads as wl  # noqa: E402
 from benchmarks._common import Result, Target, paired, verdict  # noqa: E402
@@ -519,12 +520,9 @@ def _revnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
     """RevNet-38's two-phase steps and its fused step over its stages (``rn.fused_update_stages``):
     the coupling stacks updated per layer, BatchNorm statistics in the donated state."""
     from benchmarks import revnet as revnet_bench  # its RevNet-38, batch and image size
-    from models import revnet as R
 
     module = revnet_bench._module("revnet38", quick)
-    batch, image, state_bytes, rows = _stages_steps(
-        "revnet38", module, R.stage_stacks(module), tx, quick
-    )
+    batch, image, state_bytes, rows = _stages_steps("revnet38", module, tx, quick)
     arch = revnet_bench._arch("revnet38", quick)
     return [
         "",
@@ -551,9 +549,7 @@ def _resnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
 
     arch = revnet_bench._arch("resnet32", quick)
     module = RN.ResNet(arch, remat=RN.REMAT_PRESETS["full"], scan_units=True)
-    batch, image, state_bytes, rows = _stages_steps(
-        "resnet32", module, RN.stage_stacks(module), tx, quick
-    )
+    batch, image, state_bytes, rows = _stages_steps("resnet32", module, tx, quick)
     return [
         "",
         "### ResNet-32 (`rn.fused_update_stages`)",
@@ -572,10 +568,10 @@ def _resnet_section(tx: optax.GradientTransformation, quick: bool) -> list[str]:
 
 
 def _stages_steps(
-    name: str, module: Any, parts: Any, tx: optax.GradientTransformation, quick: bool
+    name: str, module: Any, tx: optax.GradientTransformation, quick: bool
 ) -> tuple[int, int, int, list[str]]:
     """Batch, image size, bytes(state) and the table rows of the registry model ``name``'s
-    two-phase steps and its fused step over ``parts`` (its ``models.StageStacks``)."""
+    two-phase steps and its fused step over its stages (the registry's ``stage_stacks``)."""
     batch, image = (8, 8) if quick else (128, 32)
     model = wl.classifier(name, batch=batch, image_size=image, module=module, materialize=False)
     state = (model.params, jax.eval_shape(tx.init, model.params), model.batch_stats)
@@ -588,6 +584,7 @@ def _stages_steps(
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, new["batch_stats"]), value
 
+    parts = models.get(name).stage_stacks(module)
     fused = rn.fused_update_stages(
         lambda rest, stats, batch: parts.embed(rest, stats, batch[0]),
         parts.stages,
