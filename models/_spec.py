@@ -21,6 +21,7 @@ __all__ = [
     "StageStacks",
     "at_least_float32",
     "check_scan_levels",
+    "unit_plan",
     "nesting_holds_fewer",
     "remat_option",
 ]
@@ -208,6 +209,13 @@ def at_least_float32(dtype: Any) -> Any:
     (dtype('float32'), dtype('float64'))
     """
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
+    """The plan each scanned unit runs under: the model's ``remat``; in a nested scan
+    (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more (measured).
+    The model and its fused-step parts both read it, so they recompute alike."""
+    return full if scan_levels is not None and remat is None else remat
 
 
 def nesting_holds_fewer(n: int, levels: int = 2) -> bool:

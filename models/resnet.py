@@ -44,7 +44,13 @@ from models._cifar import (
     _policy,
     family_specs,
 )
-from models._spec import ModelSpec, StageStacks, check_scan_levels, nesting_holds_fewer
+from models._spec import (
+    ModelSpec,
+    StageStacks,
+    check_scan_levels,
+    nesting_holds_fewer,
+    unit_plan,
+)
 from remat_nn import nn as rnn
 
 __all__ = [
@@ -248,8 +254,7 @@ class ResNet(fnn.Module):
             h, updates = unit.apply(variables, h, mutable=["batch_stats"])
             return h, updates["batch_stats"]  # this unit's new running averages
 
-        # remat unset: each unit recomputed whole (policy=None would keep more: measured).
-        plan = self.remat if self.remat is not None else REMAT_PRESETS["full"]
+        plan = unit_plan(self.remat, self.scan_levels, REMAT_PRESETS["full"])
         x, stats = rn.remat_scan(step, x, stacked, levels=self.scan_levels, policy=plan)
         if train and self.is_mutable_collection("batch_stats"):
             self.put_variable("batch_stats", name, stats)  # (L, ...) leaves, as nn.scan's
@@ -339,9 +344,7 @@ def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> t
 def _stacked_unit(o: ResNet, width: int) -> Any:
     """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
     under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset)."""
-    plan = o.remat
-    if o.scan_levels is not None and plan is None:
-        plan = REMAT_PRESETS["full"]  # as _nested_units: nested units are recomputed whole
+    plan = unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"])
     cls = ResidualUnit
     if plan is not None:
         cls = rnn.remat(ResidualUnit, policy=plan, prevent_cse=False)

@@ -41,6 +41,7 @@ from models._spec import (
     at_least_float32,
     check_scan_levels,
     nesting_holds_fewer,
+    unit_plan,
 )
 from remat_nn import names
 from remat_nn import nn as rnn
@@ -353,7 +354,7 @@ class Transformer(fnn.Module):
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
         if self.scan_levels is not None:
             # Parameters as nn.scan stacks them; each block under the plan (None: full).
-            plan = self.remat if self.remat is not None else REMAT_PRESETS["full"]
+            plan = unit_plan(self.remat, self.scan_levels, REMAT_PRESETS["full"])
             nested = rnn.remat_scan(
                 Block, length=self.n_layers, levels=self.scan_levels, policy=plan
             )
@@ -637,9 +638,7 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     if o.reversible:
         return _reversible_layer_stack(o, embed, head)
-    plan = o.remat
-    if o.scan_levels is not None and plan is None:
-        plan = REMAT_PRESETS["full"]  # as _stack: nested blocks are recomputed whole by default
+    plan = unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"])
     block_cls = Block if plan is None else rnn.remat(Block, policy=plan, prevent_cse=False)
     block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
 
