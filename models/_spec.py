@@ -214,7 +214,12 @@ def at_least_float32(dtype: Any) -> Any:
 def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
     """The plan each scanned unit runs under: the model's ``remat``; in a nested scan
     (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more (measured).
-    The model and its fused-step parts both read it, so they recompute alike."""
+    The model and its fused-step parts both read it, so they recompute alike.
+
+    >>> full = rn.plan({"default": "recompute"})
+    >>> unit_plan(None, 2, full) is full, unit_plan(None, None, full), unit_plan(full, None, 0)
+    (True, None, Plan(...))
+    """
     return full if scan_levels is not None and remat is None else remat
 
 
