@@ -335,10 +335,16 @@ def _fused_section(
         "model's plan `full`): the backward is a reverse scan over the "
         "blocks that recomputes each block from its saved input, takes its VJP and applies "
         "adamw to that block's slice of the parameters and moments in place; the embeddings "
-        "and the final norm are updated at the end. Jitted with `donate_argnums=(0, 1)`. Its "
+        "and the final norm are updated at the end. A block under `full` is handed over "
+        "plain: its VJP at the saved input is the recomputation, and the step finishes that "
+        "forward before the block's backward starts (an optimization barrier), so XLA cannot "
+        "start the backward early and hold its first cotangents across the recomputation; "
+        "`rn.explain_peak` therefore files the recomputed values as saved residuals (of the "
+        "VJP). Jitted with `donate_argnums=(0, 1)`. Its "
         f"loss equals the model's (max-scaled relative error {loss_err:.1e}). Second row: each "
         "block under the plan `minimal` (q, k, v, out_proj and mlp_hidden saved inside the "
-        "block's recomputation, the rest recomputed).",
+        "block's recomputation, the rest recomputed a second time inside its backward, which "
+        "the barrier cannot order).",
         "",
         "| jit | argument | output | alias | temp | peak |",
         "|---|--:|--:|--:|--:|--:|",
@@ -354,9 +360,8 @@ def _fused_section(
         f"Peak below the non-donated two-phase step's: {format_bytes(saving)} = "
         f"{saving / state_bytes:.1%} of bytes(params + opt_state); with the blocks under "
         f"`minimal`: {format_bytes(plain.peak_bytes - inner_plan.peak_bytes)} = "
-        f"{(plain.peak_bytes - inner_plan.peak_bytes) / state_bytes:.1%} (the block's VJP is "
-        "taken right after its recomputation, so its backward working set is live whatever "
-        "the plan). Gradient buffers at the "
+        f"{(plain.peak_bytes - inner_plan.peak_bytes) / state_bytes:.1%}. Gradient buffers "
+        "at the "
         f"fused step's peak (`rn.explain_peak`): {format_bytes(grad_bytes)}, the cotangents "
         f"and weight gradients of one block; no stack of weight gradients. Step time fused / "
         f"donated two-phase: {ratio:.3f} "

@@ -21,6 +21,7 @@ __all__ = [
     "StageStacks",
     "at_least_float32",
     "check_scan_levels",
+    "fused_unit_plan",
     "unit_plan",
     "nesting_holds_fewer",
     "remat_option",
@@ -221,6 +222,19 @@ def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
     (True, None, Plan(...))
     """
     return full if scan_levels is not None and remat is None else remat
+
+
+def fused_unit_plan(plan: Any) -> Any:
+    """The plan a stacked unit runs under in the fused step's backward: none for a plan that
+    saves nothing. The fused step recomputes each unit from its saved input and finishes that
+    recomputation before the unit's backward starts; the plain unit's VJP is exactly that
+    recomputation, while under remat its forward would run inside the backward, unsequenced.
+
+    >>> full = rn.plan({"default": "recompute"})
+    >>> fused_unit_plan(full), fused_unit_plan(None), fused_unit_plan(rn.plan({"save": ["q"]}))
+    (None, None, Plan(...))
+    """
+    return None if isinstance(plan, rn.Plan) and plan.saves_nothing else plan
 
 
 def nesting_holds_fewer(n: int, levels: int = 2) -> bool:

@@ -48,6 +48,7 @@ from models._spec import (
     ModelSpec,
     StageStacks,
     check_scan_levels,
+    fused_unit_plan,
     nesting_holds_fewer,
     unit_plan,
 )
@@ -344,7 +345,7 @@ def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> t
 def _stacked_unit(o: ResNet, width: int) -> Any:
     """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
     under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset)."""
-    plan = unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"])
+    plan = fused_unit_plan(unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"]))
     cls = ResidualUnit
     if plan is not None:
         cls = rnn.remat(ResidualUnit, policy=plan, prevent_cse=False)

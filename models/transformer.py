@@ -40,6 +40,7 @@ from models._spec import (
     ModelSpec,
     at_least_float32,
     check_scan_levels,
+    fused_unit_plan,
     nesting_holds_fewer,
     unit_plan,
 )
@@ -638,7 +639,7 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     if o.reversible:
         return _reversible_layer_stack(o, embed, head)
-    plan = unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"])
+    plan = fused_unit_plan(unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"]))
     block_cls = Block if plan is None else rnn.remat(Block, policy=plan, prevent_cse=False)
     block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
 

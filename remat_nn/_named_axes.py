@@ -34,6 +34,7 @@ __all__ = [
     "cotangents_like",
     "fori_loop",
     "manual_axes",
+    "optimization_barrier",
     "scan",
     "stable_carry",
     "type_witness",
@@ -53,6 +54,22 @@ def varying(x: Any) -> frozenset[str]:
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else core.typeof(x)
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def optimization_barrier(tree: PyTree) -> PyTree:
+    """``jax.lax.optimization_barrier`` over ``tree``'s leaves, one barrier per set of manual axes
+    they vary over: one barrier's operands must vary alike, and JAX would cast the others up
+    (an unvarying cotangent would come out varying). Outside ``shard_map``: one barrier."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(varying(leaf), []).append(i)
+    out = list(leaves)
+    for members in groups.values():
+        kept = jax.lax.optimization_barrier([leaves[i] for i in members])
+        for i, x in zip(members, kept, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
 
 
 def _vary(x: Any, axes: frozenset[str]) -> Any:

@@ -89,6 +89,17 @@ class Plan:
         """Every name the plan lists, in save / offload / recompute order."""
         return self.save + self.offload + self.recompute
 
+    @property
+    def saves_nothing(self) -> bool:
+        """Whether the plan keeps no value for the backward pass (nothing saved or offloaded,
+        the default ``recompute``): a function under it keeps only its inputs.
+
+        >>> import remat_nn as rn
+        >>> rn.plan({"default": "recompute"}).saves_nothing, rn.plan({"save": ["q"]}).saves_nothing
+        (True, False)
+        """
+        return not self.save and not self.offload and self.default == "recompute"
+
     def action(self, name: str) -> str:
         """The action (``save`` / ``offload`` / ``recompute``) this plan takes for ``name``."""
         for action in ACTIONS:
