@@ -22,6 +22,7 @@ __all__ = [
     "at_least_float32",
     "check_scan_levels",
     "fused_unit_plan",
+    "nested_save_every",
     "unit_plan",
     "nesting_holds_fewer",
     "remat_option",
@@ -222,6 +223,17 @@ def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
     (True, None, Plan(...))
     """
     return full if scan_levels is not None and remat is None else remat
+
+
+def nested_save_every(n: int, scan_levels: int | None) -> int | None:
+    """The fused step's ``save_every`` for a stack of ``n`` units nested as the model nests them:
+    with ``scan_levels: 2`` the inputs of every k-th unit (k the nesting's inner length); else
+    None, every unit's input (one checkpointed scan, ``scan_levels`` None or 1, saves them all).
+
+    >>> nested_save_every(16, 2), nested_save_every(16, 1), nested_save_every(16, None)
+    (4, None, None)
+    """
+    return rn.remat_scan_lengths(n, 2)[1] if scan_levels == 2 else None
 
 
 def fused_unit_plan(plan: Any) -> Any:

@@ -49,6 +49,7 @@ from models._spec import (
     StageStacks,
     check_scan_levels,
     fused_unit_plan,
+    nested_save_every,
     nesting_holds_fewer,
     unit_plan,
 )
@@ -325,9 +326,7 @@ def stage_stacks(module: ResNet) -> StageStacks:
         if first:
             unit = ResidualUnit(width, 2 if s > 0 else 1, arch.bottleneck, True, o.dtype)
             before = rn.checkpoint(partial(_unit, unit, f"stage{s}_0"), policy=_policy(o.remat))
-        # scan_levels=2: the input of every k-th unit saved, k = the inner length of the nesting
-        # (scan_levels=1, one checkpointed scan, saves every unit's input: the default).
-        save_every = None if (o.scan_levels or 1) == 1 else rn.remat_scan_lengths(n - first, 2)[1]
+        save_every = nested_save_every(n - first, o.scan_levels)
         stage = rn.FusedStage(
             f"stage{s}", _stacked_unit(o, width), before=before, save_every=save_every
         )

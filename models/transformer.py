@@ -41,6 +41,7 @@ from models._spec import (
     at_least_float32,
     check_scan_levels,
     fused_unit_plan,
+    nested_save_every,
     nesting_holds_fewer,
     unit_plan,
 )
@@ -646,8 +647,7 @@ def layer_stack(module: Transformer) -> LayerStack:
     def layer(params: Any, x: jax.Array) -> jax.Array:
         return block.apply({"params": params}, x)[0]
 
-    # scan_levels=2: the inputs of every k-th block saved, k = the inner length of the nesting.
-    save_every = None if o.scan_levels is None else rn.remat_scan_lengths(o.n_layers, 2)[1]
+    save_every = nested_save_every(o.n_layers, o.scan_levels)
     return LayerStack("blocks", embed, layer, head, save_every=save_every)
 
 

@@ -152,6 +152,8 @@ def test_nested_transformer_fused_step_equals_two_phase_step():
     with jax.enable_x64(True):
         model = _model(dtype=jnp.float64, n_layers=7, scan_levels=2, remat=None)
         assert models.get("transformer").layer_stack(model).save_every == 4
+        # One checkpointed scan (scan_levels=1) saves every block's input, as the model does.
+        assert models.get("transformer").layer_stack(model.clone(scan_levels=1)).save_every is None
         out = _steps(model, optim, compute_dtype=jnp.float64, state_dtype=jnp.float64, n=10)
     _assert_same_run(out, "scan_levels=2, 7 blocks, 10 steps float64")
 
