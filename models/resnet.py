@@ -343,7 +343,8 @@ def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> t
 
 def _stacked_unit(o: ResNet, width: int) -> Any:
     """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
-    under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset)."""
+    under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset),
+    plain for a plan that saves nothing (the fused step's recomputation: ``fused_unit_plan``)."""
     plan = fused_unit_plan(unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"]))
     cls = ResidualUnit
     if plan is not None:

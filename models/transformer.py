@@ -590,9 +590,10 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     The same computation as ``module.apply(variables, tokens, train=True)``, for the optimizer
     update inside the backward pass (:func:`remat_nn.fused_update_step`): each block under the
-    model's remat plan; with ``reversible``, each coupling (inverted in the backward if
-    ``reconstruct``); with ``scan_levels: 2``, the inputs of every k-th block are saved
-    (``save_every``, k the nesting's inner length).
+    model's remat plan (plain under ``full``: the fused step recomputes it from its saved
+    input, see :func:`models._spec.fused_unit_plan`); with ``reversible``, each coupling
+    (inverted in the backward if ``reconstruct``); with ``scan_levels: 2``, the inputs of every
+    k-th block are saved (``save_every``, k the nesting's inner length).
 
     Raises:
       ValueError: the blocks are not one scan of blocks or couplings (``scan_layers=false``,
