@@ -521,3 +521,22 @@ def test_memory_tools_on_a_shard_map_step() -> None:
     peak = report.peak()  # the chosen plan's step compiled again from the arguments' shapes
     assert peak is not None and peak.difference == 0
     assert "largest temp buffers" in str(report)
+
+
+def test_optimization_barrier_keeps_each_leafs_manual_axis_type() -> None:
+    """One barrier per set of varying axes: a single barrier over a varying and an unvarying
+    leaf would cast the unvarying one up (JAX requires one barrier's operands to vary alike),
+    and a cotangent typed so no longer matches its primal."""
+    seen = {}
+
+    def local(w: jax.Array, x: jax.Array) -> jax.Array:
+        w2, (x2, x3) = _named_axes.optimization_barrier((w, (x, 2 * x)))
+        seen.update(
+            w=_named_axes.varying(w2), x=_named_axes.varying(x2), x3=_named_axes.varying(x3)
+        )
+        return jax.lax.psum(jnp.sum(x2 * x3), "data") + jnp.sum(w2)
+
+    w, x = jnp.ones((3,)), _normal(0, (4, 3))
+    got = jax.shard_map(local, mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P())(w, x)
+    assert seen == {"w": frozenset(), "x": frozenset({"data"}), "x3": frozenset({"data"})}
+    assert float(rel_err(got, 2 * jnp.sum(x * x) + 3.0)) <= 1e-6
