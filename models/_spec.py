@@ -21,6 +21,7 @@ __all__ = [
     "StageStacks",
     "at_least_float32",
     "check_scan_levels",
+    "coupling_stage",
     "fused_unit_plan",
     "nested_save_every",
     "unit_plan",
@@ -132,6 +133,35 @@ class ModelSpec:
     variants: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
     layer_stack: Callable[[fnn.Module], LayerStack] | None = None
     stage_stacks: Callable[[fnn.Module], StageStacks] | None = None
+
+
+def coupling_stage(
+    key: str, block: Any, *, reversible: bool, before: Any = None, collection: str | None = None
+) -> rn.FusedStage:
+    """A stage whose stack is a reversible sequence's couplings, as the models store them: each
+    layer's parameters at ``params[key]["layers"]``, its state at ``stats[key]["layers"]``.
+
+    Args:
+      key: the stage's key in the parameters and the state.
+      block: one layer, as ``rnn.coupling_layer`` / ``rnnx.coupling_layer`` give it.
+      reversible: each layer's input rebuilt from its output by the block's fused backward;
+        else saved.
+      before: the stage's non-stacked unit (``rn.FusedStage.before``).
+      collection: the collection the block reads its state under (linen's ``"batch_stats"``);
+        None: the block takes the state as it is (NNX's pure dicts).
+    """
+    wrap = (lambda c: c) if collection is None else (lambda c: {collection: c})
+    unwrap = (lambda new: new) if collection is None else (lambda new: new[collection])
+
+    def layer(p: Any, c: Any, h: Any) -> tuple[Any, Any]:
+        y, new = block.forward(p["layers"], wrap(c["layers"]), h)
+        return y, {"layers": unwrap(new)}
+
+    def backward(p: Any, c: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
+        h, dp, dh = block.backward(p["layers"], wrap(c["layers"]), y, dy)
+        return h, {"layers": dp}, dh
+
+    return rn.FusedStage(key, layer, before=before, backward=backward if reversible else None)
 
 
 def remat_option(

@@ -31,7 +31,7 @@ from flax import nnx
 
 import remat_nn as rn
 from models._cifar import NAMES, REMAT_PRESETS, _policy
-from models._spec import ModelSpec, StageStacks, at_least_float32, remat_option
+from models._spec import ModelSpec, StageStacks, at_least_float32, coupling_stage, remat_option
 from remat_nn import names
 from remat_nn import nnx as rnnx
 
@@ -198,18 +198,7 @@ def _coupling_stage(
 ) -> rn.FusedStage:
     """A stage's stack of couplings as its ``ReversibleSequence`` runs them, in training mode."""
     block = rnnx.coupling_layer(sequence, train=True)
-
-    def layer(p: Any, c: Any, h: Any) -> tuple[Any, Any]:
-        y, new = block.forward(p["layers"], c["layers"], h)
-        return y, {"layers": new}
-
-    def backward(p: Any, c: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
-        assert block.backward is not None  # a coupling's layer has its fused backward
-        h, dp, dh = block.backward(p["layers"], c["layers"], y, dy)
-        return h, {"layers": dp}, dh
-
-    reversible = sequence.reversible
-    return rn.FusedStage(key, layer, before=before, backward=backward if reversible else None)
+    return coupling_stage(key, block, reversible=sequence.reversible, before=before)
 
 
 # --- registry ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from models._cifar import (
     _policy,
     family_specs,
 )
-from models._spec import ModelSpec, StageStacks
+from models._spec import ModelSpec, StageStacks, coupling_stage
 from remat_nn import nn as rnn
 
 __all__ = [
@@ -265,17 +265,9 @@ def _coupling_stage(o: RevNet, key: str, width: int, before: Any) -> rn.FusedSta
         state_collections=("batch_stats",),
         train=True,
     )
-
-    def layer(p: Any, c: Any, h: Any) -> tuple[Any, Any]:
-        y, new = block.forward(p["layers"], {"batch_stats": c["layers"]}, h)
-        return y, {"layers": new["batch_stats"]}
-
-    def backward(p: Any, c: Any, y: Any, dy: Any) -> tuple[Any, Any, Any]:
-        assert block.backward is not None  # a coupling's layer has its fused backward
-        h, dp, dh = block.backward(p["layers"], {"batch_stats": c["layers"]}, y, dy)
-        return h, {"layers": dp}, dh
-
-    return rn.FusedStage(key, layer, before=before, backward=backward if o.reversible else None)
+    return coupling_stage(
+        key, block, reversible=o.reversible, before=before, collection="batch_stats"
+    )
 
 
 # --- registry ---------------------------------------------------------------------------------
