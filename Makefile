@@ -7,14 +7,14 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/revnet.yaml
 FLAX   := $(shell sed -n 's/^flax==//p' requirements.lock)
 
-.PHONY: setup run demo test lint clean
+.PHONY: setup run demo test test-fast test-portability lint clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
-	@# flax's own remat tests (tests/test_flax_upstream.py) run against nn.remat and nnx.remat:
+	@# flax's own remat tests (tests/remat/test_flax_upstream.py) run against nn.remat and nnx.remat:
 	@# take them from the pinned flax sdist on PyPI, at set-up time.
 	mkdir -p $(VENV)/upstream
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: flax==$(FLAX) -d $(VENV)/upstream
@@ -37,8 +37,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
+# The whole suite on two workers, the slowest 15 tests listed at the end. Tests are sent to the
+# workers by module (loadscope), so a module's fixtures (compiled stacks, trainer caches) are
+# built once, not once per worker.
+PYTEST := $(PY) -m pytest -n 2 --dist loadscope -q
+
 test: $(STAMP) lint
-	$(PY) -m pytest -n 2 -q
+	$(PYTEST) --durations=15
+
+# The edit loop: everything but the tests marked slow (> 20 CPU-s each).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
+
+# The numerics-sensitive tests again under other vector code: XLA:CPU's code (and so the last
+# bits of float results) differs by CPU model; the suite must pass whatever the machine runs.
+PORTABLE := tests/invertible tests/remat tests/memory tests/fused tests/models/test_bf16.py
+
+test-portability: $(STAMP)
+	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PYTEST) $(PORTABLE)
+	XLA_FLAGS=--xla_cpu_max_isa=AVX2 $(PYTEST) $(PORTABLE)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

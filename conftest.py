@@ -10,8 +10,9 @@
 - XLA:CPU's code generation at ``-O0``, with the classic fusion emitters (``TEST_XLA_FLAGS``, in
   this process and the ones tests start): the suite checks values, gradients and compiled memory;
   these flags change how fused loops become machine code, not what remat_nn saves, and a compile
-  takes a quarter to a half of the time (the suite is mostly compiles). tests/test_xla_flags.py
-  checks that compiled temp stays within 1% of a flagless process's on the suite's kinds of program.
+  takes a quarter to a half of the time (the suite is mostly compiles).
+  tests/project/test_xla_flags.py checks that compiled temp stays within 1% of a flagless
+  process's on the suite's kinds of program.
 - ``jax_upgrade_flags``: runs a test twice, as JAX is today and with the upgrade flags that
   become its defaults (``jax_remat3``, ``jax_custom_vjp3``).
 """
@@ -33,10 +34,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 _UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3")
 
 # --doctest-modules imports every module under testpaths to look for doctests. This plugin
-# patches flax's remat (for flax's own tests, run in a subprocess by tests/test_flax_upstream.py):
-# imported here, it would make every comparison with flax.linen.remat / flax.nnx.remat in this
-# process compare remat_nn with itself.
-collect_ignore = ["tests/flax_upstream_plugin.py"]
+# patches flax's remat (for flax's own tests, run in a subprocess by
+# tests/remat/test_flax_upstream.py): imported here, it would make every comparison with
+# flax.linen.remat / flax.nnx.remat in this process compare remat_nn with itself.
+collect_ignore = ["tests/remat/flax_upstream_plugin.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)

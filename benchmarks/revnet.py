@@ -410,7 +410,7 @@ def run(quick: bool = False) -> Result:
         )
         + ". What the unrolled stacks keep is below (from the buffers at XLA's peak); the "
         "reversible stacks' activation memory stays flat in depth either way "
-        "(tests/test_reversible.py: two stacks in series, depth 4 and 12)"
+        "(tests/invertible/test_reversible.py: two stacks in series, depth 4 and 12)"
         + (
             f"; RevNet-38 -> RevNet-110 (same widths, 3x the reversible units) moves the "
             f"difference from {format_bytes(rows['revnet38']['temp'] - rolled_temp['revnet38'])} "

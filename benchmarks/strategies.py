@@ -36,7 +36,8 @@ FULL, DOTS = R.REMAT_PRESETS["full"], R.REMAT_PRESETS["save_conv_out"]
 LEVELS = 2  # levels of the nested scans
 GRAD_TOL = 1e-5  # float32, max-scaled (rn.relative_error)
 # A leaf whose exact gradient is 0 holds only round-off (the transformer's key bias: softmax
-# ignores it): its scale is floored at 1% of the largest leaf's, as tests/test_models.py does.
+# ignores it): its scale is floored at 1% of the largest leaf's, as
+# tests/models/test_models.py does.
 FLOOR = 1e-2
 QUICK_RES, QUICK_REV = (1, 3, 1), (1, 2, 1)  # units per stage in quick mode (compiles dominate)
 NONE = "none"
@@ -314,8 +315,8 @@ def run(quick: bool = False) -> Result:
         f"{config.n_layers} for one level; nesting pays from more layers on.",
         f"- Nested-scan gradient vs `none`, same parameters and tokens: `rn.relative_error` = "
         f"{lm_err:.2e} with each leaf's scale floored at {FLOOR:.0%} of the largest leaf's "
-        f"(as tests/test_models.py compares the transformer); {lm_raw:.2e} with every leaf on "
-        "its own scale. The floor is for the key biases: their exact gradient is 0 (softmax is "
+        f"(as tests/models/test_models.py compares the transformer); {lm_raw:.2e} with every leaf "
+        "on its own scale. The floor is for the key biases: their exact gradient is 0 (softmax is "
         "invariant to them), so that leaf holds only round-off in both steps.",
     ]
 

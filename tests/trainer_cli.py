@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # child computes bit for bit what the parent does. The suite is mostly compiles: a small
 # transformer's gradient compiles in a quarter of the default time (2.6 -> 0.7 CPU-s), the whole
 # suite ran in 630 s instead of 852 s (unpaired). Compiled memory moves by a few hundred bytes,
-# which tests/test_xla_flags.py checks on the suite's kinds of program; the benchmarks' and
+# which tests/project/test_xla_flags.py checks on the suite's kinds of program; the benchmarks' and
 # the README's figures come from XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
@@ -48,11 +48,13 @@ def launch(
     env: dict[str, str] | None = None,
     **popen_kwargs,
 ) -> subprocess.Popen:
-    """Starts ``python -m train argv`` after calling ``register`` ("module:function" in tests/)."""
+    """Starts ``python -m train argv`` after calling ``register`` ("module:function", the module
+    dotted from the repository's root, e.g. ``tests.train.tiny_models:register_train_mlp``)."""
     module, function = register.split(":")
     code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-        f"import {module}; {module}.{function}(); from train.__main__ import exit_process, main; "
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; import importlib; "
+        f"importlib.import_module({module!r}).{function}(); "
+        "from train.__main__ import exit_process, main; "
         f"exit_process(main({argv!r}))"
     )
     child_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
