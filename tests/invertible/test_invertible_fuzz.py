@@ -268,9 +268,10 @@ def test_a_steep_exp_beside_a_flat_one_is_not_refused():
 
 
 def test_a_bfloat16_scan_body_matches_autodiff_of_its_loop():
-    """A fuzz case: the walk equals jax.grad of the loop up to float32 summation order, while
-    jax.grad of the lax.scan rounds differently in bfloat16 (in another case, depth 6 and width
-    2, it is the other way round: XLA's bfloat16 roundings depend on the compiled context)."""
+    """A fuzz case: the walk equals jax.grad of the loop up to float32 summation order. jax.grad
+    of the lax.scan may round differently in bfloat16 (XLA's bfloat16 roundings depend on the
+    compiled context and the CPU: on some it differs by 1e-4 and more, on others by nothing), so
+    against the scan only a bfloat16 bound holds: a few units in the last place per layer."""
     spec = {"batch": 1, "width": 4, "layers": [("add", "bf16", "checkpoint", False)] * 3}
     spec.update(scan=True, order=[0] * 9)
     rng = np.random.default_rng(0)
@@ -282,7 +283,9 @@ def test_a_bfloat16_scan_body_matches_autodiff_of_its_loop():
 
     got = grad(rn.invertible(_scanned(spec)))
     assert rel_err(got, grad(_scanned(spec, loop=True))) <= 1e-6
-    assert rel_err(got, grad(_scanned(spec))) > 1e-4  # jax.grad of the scan: other roundings
+    scan_err = rel_err(got, grad(_scanned(spec)))
+    print(f"walk vs jax.grad of the scan: {scan_err:.3g}")
+    assert scan_err <= 2 * len(spec["layers"]) * float(jnp.finfo(jnp.bfloat16).eps)
 
 
 @pytest.mark.parametrize("comb", sorted(COMBINE))
