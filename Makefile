@@ -51,10 +51,12 @@ test-fast: $(STAMP)
 
 # The numerics-sensitive tests again under other vector code: XLA:CPU's code (and so the last
 # bits of float results) differs by CPU model; the suite must pass whatever the machine runs.
+# AVX is the oldest level that works: at SSE4_2, XLA:CPU (jaxlib 0.10) cannot link its float16
+# conversions (`__truncsfhf2` missing), so every float16 program fails to compile there.
 PORTABLE := tests/invertible tests/remat tests/memory tests/fused tests/models/test_bf16.py
 
 test-portability: $(STAMP)
-	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PYTEST) $(PORTABLE)
+	XLA_FLAGS=--xla_cpu_max_isa=AVX $(PYTEST) $(PORTABLE)
 	XLA_FLAGS=--xla_cpu_max_isa=AVX2 $(PYTEST) $(PORTABLE)
 
 clean:
