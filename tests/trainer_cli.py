@@ -1,7 +1,7 @@
 """``python -m train`` for the tests: in a fresh process, or in the test process itself.
 
 Shared by the fault, run and multi-process tests. :func:`launch` starts a child that sees the
-CPU platform with ``devices`` fake devices, the suite's ``XLA_FLAGS`` (:data:`TEST_XLA_FLAGS`) in
+CPU platform with ``devices`` fake devices, the suite's ``XLA_FLAGS`` (:func:`child_xla_flags`) in
 place of the parent's, no fault point unless given, and its combined stdout and stderr on
 ``proc.stdout``: for the runs a test kills, that signal themselves, or that need a process of
 their own (another device count, a second process). Every other run is cheaper in the test
@@ -14,6 +14,7 @@ import contextlib
 import gc
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # which tests/project/test_xla_flags.py checks on the suite's kinds of program; the benchmarks' and
 # the README's figures come from XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def child_xla_flags() -> str:
+    """The XLA flags of a process a test starts: :data:`TEST_XLA_FLAGS`, plus the vector-code
+    limit the suite itself runs under, if any (``make test-portability``), so a child computes
+    the same bits as the test process on any machine."""
+    isa = re.findall(r"--xla_cpu_max_isa=\S+", os.environ.get("XLA_FLAGS", ""))
+    return " ".join([TEST_XLA_FLAGS, *isa])
+
 
 # Fault points a run survives in the test process: an error raised (enospc), a NaN batch (nan).
 # The others SIGKILL the process or send it SIGTERM / SIGINT: those runs need a child.
@@ -58,7 +68,7 @@ def launch(
         f"exit_process(main({argv!r}))"
     )
     child_env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
-    child_env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    child_env["XLA_FLAGS"] = child_xla_flags()
     child_env.pop("REMAT_NN_FAULT", None)
     child_env.update(env or {})
     return subprocess.Popen(

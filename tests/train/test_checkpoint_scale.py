@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.ports import held_port
-from tests.trainer_cli import TEST_XLA_FLAGS
+from tests.trainer_cli import child_xla_flags
 from train import checkpoint as ckpt_lib
 from train import donation, multihost
 from train import manifest as manifest_lib
@@ -609,7 +609,7 @@ def _two_workers(tmp_path, port: int) -> list[dict]:
         f"t._worker({str(tmp_path / 'run')!r}, {str(tmp_path / 'other')!r})"
     )
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    env["XLA_FLAGS"] = child_xla_flags()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(i)],
