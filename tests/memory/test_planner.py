@@ -112,6 +112,13 @@ def test_parse_budget_rejects_bad_input(bad):
         rn.parse_budget(bad, reference_bytes=1000)
 
 
+@pytest.mark.parametrize("bare", [1.5, 2.5, "1.5", 63, "3", 100.5])
+def test_a_bare_number_that_is_no_plausible_byte_count_is_refused_with_the_fix(bare):
+    # 1.5 was read as 1 byte and "2.5" as 2: a fraction above 1 or a size without its unit.
+    with pytest.raises(ValueError, match=r"budget: .* Fix: .*%'.*GiB'"):
+        rn.parse_budget(bare, reference_bytes=1000)
+
+
 # Fixed rates keep the modeled choice the same on every machine; measure=False keeps it the model's.
 RATES = {"flops_per_second": 1e10, "memory_bandwidth": 1e10}
 

@@ -89,6 +89,7 @@ def named_mlp():
     [
         ("{policy: auto}", "remat.budget"),
         ("{policy: auto, budget: lots}", "remat.budget"),
+        ("{policy: auto, budget: 1.5}", "remat.budget"),  # not 1 byte: '150%' or '1.5GiB'
         ("{policy: auto, budget: 1GiB, allow: [offload]}", "remat.allow"),
         ("{policy: auto, budget: 1GiB, bugdet: 2}", "remat.bugdet"),
         ("{policy: auto, budget: 1GiB, host_bandwidth: -1}", "remat.host_bandwidth"),
