@@ -105,6 +105,7 @@ def plan_for_budget(
     >>> report.compiled_temp_bytes <= report.budget_bytes
     True
     """
+    _refuse_tracers(args)
     allow, notes = _allowed_actions(allow)
     s = _Session(fn, args, _tagged_names(fn, args), allow, log or (lambda _: None))
     by_name, alone = _calibrate(s, budget, variants)
@@ -123,6 +124,18 @@ def plan_for_budget(
     measure = _measure._is_concrete(args) if measure is None else measure
     fits, timed = _race(s, fits, measure=measure, shortlist=shortlist, rounds=rounds)
     return _report(s, fits[0], timed, notes)
+
+
+def _refuse_tracers(args: Sequence[Any]) -> None:
+    # Under jit (or grad, vmap) the arguments are tracers: nothing can be compiled or timed.
+    traced = [a for a in jax.tree.leaves(args) if isinstance(a, jax.core.Tracer)]
+    if traced:
+        raise TypeError(
+            f"plan_for_budget: an argument is a tracer ({type(traced[0]).__name__}): it was "
+            "called inside jax.jit, grad or vmap, but it compiles and times the gradient itself, "
+            "so it needs concrete arrays or jax.ShapeDtypeStruct. Fix: call it outside the "
+            "transformation, once, and pass report.plan (a value) into the jitted function."
+        )
 
 
 @dataclass

@@ -175,6 +175,18 @@ def test_infeasible_budget_states_the_minimum(stack):
         rn.plan_for_budget(_demo.loss, *stack, budget="1KiB", **RATES)
 
 
+def test_inside_jit_it_is_refused_naming_why(stack):
+    # It compiles and times the gradient itself: a tracer reached the first compile as an
+    # AttributeError ('block_until_ready') deep in the timing code.
+    @jax.jit
+    def planned(params, x):
+        rn.plan_for_budget(_demo.loss, params, x, budget=0.5, **RATES)
+        return x
+
+    with pytest.raises(TypeError, match=r"tracer .* inside jax\.jit.*Fix: call it outside"):
+        planned(*stack)
+
+
 def test_settles_for_a_compiled_plan_when_every_solve_overshoots(projs, monkeypatch):
     # XLA's temp is not what the model predicts (on the transformer, saving a name can even
     # lower it), so tightened solves may keep overshooting. The calibration compiles (every
