@@ -94,6 +94,14 @@ def test_every_error_is_reported_at_once_with_its_dotted_path(tmp_path):
     assert "mesh.data must be a positive size or -1" in errs["mesh"]
 
 
+def test_a_key_without_its_section_gets_the_dotted_path_as_hint():
+    errs = errors_of(None, ["steps=10", "lr=0.1", "stpes=3", "bogus=1"])
+    assert "did you mean 'train.steps'?" in errs["steps"]  # not a fuzzy top-level key
+    assert "did you mean 'optim.lr'?" in errs["lr"]
+    assert "did you mean 'train.steps'?" in errs["stpes"]
+    assert "did you mean" not in errs["bogus"]
+
+
 def test_model_options_are_validated_by_the_models_schema():
     errs = errors_of(None, ["model.name=transformr"])
     assert "did you mean 'transformer'" in errs["model.name"].lower()

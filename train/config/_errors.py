@@ -36,6 +36,20 @@ def _dotted(loc: Sequence[Any]) -> str:
     return ".".join(str(p) for p in loc)
 
 
+def _one_level_down(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> list[str]:
+    # `steps=10` for `train.steps=10`: the key in a section at this level (exactly, else the
+    # closest spelling), so a missing section prefix gets its hint.
+    key, parent = str(loc[-1]), [*map(str, loc[:-1])]
+    sections = {s: _fields_at(model, [*loc[:-1], s, key]) for s in _fields_at(model, loc)}
+    for section, fields in sections.items():
+        if key in fields:
+            return [*parent, section, key]
+    for section, fields in sections.items():
+        if close := closest(key, fields):
+            return [*parent, section, close]
+    return []
+
+
 def _fields_at(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> list[str]:
     # The field names valid at `loc`'s parent, for did-you-mean hints.
     cls: Any = model
@@ -66,7 +80,8 @@ def pydantic_errors(
         path = ".".join(filter(None, [prefix, _dotted(loc)]))
         if err["type"] == "extra_forbidden":
             close = closest(str(loc[-1]), _fields_at(model, loc))
-            hint = f" did you mean {'.'.join([*map(str, loc[:-1]), close])!r}?" if close else ""
+            here = [*map(str, loc[:-1]), close] if close else _one_level_down(model, loc)
+            hint = f" did you mean {'.'.join(here)!r}?" if here else ""
             known = ", ".join(_fields_at(model, loc))
             out.append((path, f"unknown key;{hint} known keys: {known}"))
             continue
