@@ -485,8 +485,10 @@ def compare_policies(
     Returns:
       A :class:`PolicyComparison`; ``print`` it for a markdown table.
     """
+    from remat_nn._policies import check_takes_policy
     from remat_nn._policies import policy as resolve
 
+    check_takes_policy(fn, "compare_policies")
     reports, compiled = {}, {}
     for label, spec in policies.items():
         loss = functools.partial(fn, policy=resolve(spec))

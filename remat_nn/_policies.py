@@ -7,6 +7,7 @@ callables pass through unchanged; plans (:mod:`remat_nn._plan`) compile to one.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -266,3 +267,25 @@ def for_remat3(spec: Any, resolved: Any, where: str) -> Any:
         return SaveAnyNamesButThese(frozenset(the_plan.recompute))
     what = f"the plan {the_plan} (it offloads)" if the_plan is not None else f"policy {spec!r}"
     raise PolicyError(_REMAT3.format(where=where, what=what))
+
+
+def check_takes_policy(fn: Callable[..., Any], who: str) -> None:
+    """Raises ``TypeError`` at ``who``'s boundary if ``fn`` cannot be called with ``policy=``.
+
+    The functions that measure a loss under several plans call ``fn(*args, policy=p)``; without
+    this check a loss written without that keyword fails as Python's bare "unexpected keyword
+    argument" from deep inside them. Callables whose signature cannot be read pass.
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.name == "policy" or p.kind is p.VAR_KEYWORD for p in params):
+        return
+    name = getattr(fn, "__name__", repr(fn))
+    raise TypeError(
+        f"{who}: fn {name!r} takes no `policy` keyword, but it is called as "
+        "fn(*args, policy=p) with each plan it measures. Fix: add the keyword and pass it on "
+        'where the model remats: def loss(params, x, *, policy="none"): ... '
+        "rnn.remat(Block, policy=policy) (or rn.checkpoint(f, policy=policy))."
+    )

@@ -19,6 +19,7 @@ from remat_nn._jax_internals import core
 from remat_nn._memory import format_bytes, memory_report
 from remat_nn._peak import explain_later
 from remat_nn._plan import Plan, names_in_jaxpr
+from remat_nn._policies import check_takes_policy
 from remat_nn.errors import PlanError
 from remat_nn.planner import _measure
 from remat_nn.planner._budget import parse_budget
@@ -107,6 +108,7 @@ def plan_for_budget(
     True
     """
     _refuse_tracers(args)
+    check_takes_policy(fn, "plan_for_budget")
     allow, notes = _allowed_actions(allow)
     s = _Session(fn, args, _tagged_names(fn, args), allow, log or (lambda _: None))
     by_name, alone = _calibrate(s, budget, variants)

@@ -187,6 +187,19 @@ def test_inside_jit_it_is_refused_naming_why(stack):
         planned(*stack)
 
 
+def test_a_loss_without_the_policy_keyword_is_refused_with_the_fix(stack):
+    def loss(params, x):  # the keyword every measuring entry point passes is missing
+        return _demo.loss(params, x)
+
+    fix = r"fn 'loss' takes no `policy` keyword.*Fix: .*policy=\"none\""
+    with pytest.raises(TypeError, match=f"plan_for_budget: {fix}"):
+        rn.plan_for_budget(loss, *stack, budget=0.5, **RATES)
+    with pytest.raises(TypeError, match=f"compare_policies: {fix}"):
+        rn.compare_policies(loss, stack, {"full": "full"})
+    # A loss that takes the keyword through **kwargs passes the check.
+    rn.compare_policies(lambda p, x, **kw: _demo.loss(p, x, **kw), stack, {"full": "full"})
+
+
 def test_settles_for_a_compiled_plan_when_every_solve_overshoots(projs, monkeypatch):
     # XLA's temp is not what the model predicts (on the transformer, saving a name can even
     # lower it), so tightened solves may keep overshooting. The calibration compiles (every
