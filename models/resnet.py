@@ -390,9 +390,17 @@ class ResNetOptions(_ImageOptions):
 
     @pydantic.model_validator(mode="after")
     def _scan_levels(self) -> ResNetOptions:
+        where = f"{self.registered_name}: option "
         if self.scan_levels is not None and not self.scan_units:
-            where = f"{self.registered_name}: option "
             raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=where, levels=self.scan_levels))
+        if self.scan_levels is not None and self.remat == "none":
+            raise ValueError(
+                f"{where}remat='none' with scan_levels={self.scan_levels}: the nested scan "
+                "recomputes each segment of units in the backward, and its units run under "
+                "`full` when remat is unset; `none` would not be honoured. Fix: drop remat (or "
+                "set remat=full: what runs), another preset or plan for the units, or drop "
+                "scan_levels for no remat."
+            )
         return self
 
 

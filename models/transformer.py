@@ -43,7 +43,6 @@ from models._spec import (
     fused_unit_plan,
     nested_save_every,
     nesting_holds_fewer,
-    unit_plan,
 )
 from remat_nn import names
 from remat_nn import nn as rnn
@@ -292,7 +291,8 @@ class Transformer(fnn.Module):
         (``nn.remat_scan``, :func:`remat_nn.remat_scan`) of that many levels instead of
         ``nn.scan``: about ``levels * n_layers**(1/levels)`` block inputs held instead of
         ``n_layers``, for one more forward pass per level below the outermost. Each block runs
-        under ``remat`` (None: recomputed whole, as ``full``). Same parameters as
+        under ``remat`` (None: no remat, the block's residuals kept while its segment is
+        recomputed in the backward; unset, the option is ``full``). Same parameters as
         ``scan_layers`` (a checkpoint moves between the two); no dropout (the nested scan
         draws no random numbers). None: ``nn.scan``.
       remat: the memory plan of each block (a :class:`remat_nn.Plan`), or None for no remat.
@@ -355,8 +355,9 @@ class Transformer(fnn.Module):
 
     def _stack(self, x: jax.Array, train: bool) -> jax.Array:
         if self.scan_levels is not None:
-            # Parameters as nn.scan stacks them; each block under the plan (None: full).
-            plan = unit_plan(self.remat, self.scan_levels, REMAT_PRESETS["full"])
+            # Parameters as nn.scan stacks them; each block under the plan (None: no remat,
+            # the block's residuals kept while its segment is recomputed in the backward).
+            plan = "none" if self.remat is None else self.remat
             nested = rnn.remat_scan(
                 Block, length=self.n_layers, levels=self.scan_levels, policy=plan
             )
@@ -641,7 +642,7 @@ def layer_stack(module: Transformer) -> LayerStack:
 
     if o.reversible:
         return _reversible_layer_stack(o, embed, head)
-    plan = fused_unit_plan(unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"]))
+    plan = fused_unit_plan(o.remat)
     block_cls = Block if plan is None else rnn.remat(Block, policy=plan, prevent_cse=False)
     block = block_cls(o.n_heads, o.d_ff, o.position == "rotary", 0.0, o.dtype, train=True)
 
