@@ -13,6 +13,8 @@ whose ``_prim`` param is the object that says which: :func:`hi_kind` tells them 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -36,8 +38,8 @@ from jax._src.ad_checkpoint import (
     saved_residuals,
 )
 
-# enable_compilation_cache: the config option as a context manager (jax.config.update is global);
-# explain_peak compiles once with the persistent cache off, whose key ignores xla_dump_to.
+# enable_compilation_cache: the config option as a context manager (jax.config.update is global),
+# for persistent_cache_bypassed.
 from jax._src.config import enable_compilation_cache
 
 # call_hi_primitive and CustomVJPTraced: what jax_remat3 / jax_custom_vjp3 stage; not public.
@@ -53,6 +55,9 @@ from jax._src.lax.lax import optimization_barrier_p, split_p
 # DeprecatedArg: the default of jax.checkpoint's removed `concrete` parameter; rn.checkpoint has
 # the same signature (and so the same sentinel). Not public.
 from jax._src.typing import DeprecatedArg
+
+# Public (jax.experimental), here beside the option it goes with: persistent_cache_bypassed.
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 # Public: jax.extend.core.primitives.
 custom_jvp_call_p = _public_prims.custom_jvp_call_p
@@ -76,12 +81,12 @@ __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_bwd",
     "custom_vjp_call_p",
-    "enable_compilation_cache",
     "hi_kind",
     "jit_p",
     "name_p",
     "optimization_barrier_p",
     "pe",
+    "persistent_cache_bypassed",
     "remat3_honours",
     "remat3_on",
     "remat_p",
@@ -124,6 +129,25 @@ def remat3_honours(policy: Any) -> bool:
         or isinstance(policy, DotsSaveable | SaveOnlyTheseNames | SaveAnyNamesButThese)
         or policy is jax.checkpoint_policies.nothing_saveable
     )
+
+
+@contextlib.contextmanager
+def persistent_cache_bypassed() -> Iterator[None]:
+    """Compiles inside neither read nor write JAX's persistent compilation cache.
+
+    JAX decides once per process whether it uses the cache (at the first compile) and keeps the
+    answer, so ``enable_compilation_cache(False)`` alone changes nothing after that compile (a
+    warm cache is read) and, before it, turns the cache off for the rest of the process. The
+    decision is therefore reset on the way in, taken again with the option off, and reset on the
+    way out, to be taken again as configured at the next compile. Another thread compiling
+    meanwhile compiles without the cache too.
+    """
+    reset_cache()
+    try:
+        with enable_compilation_cache(False):
+            yield
+    finally:
+        reset_cache()
 
 
 def hi_kind(eqn: Any) -> str | None:
