@@ -28,7 +28,8 @@ from jax._src import core, source_info_util
 
 # saved_residuals: JAX's list of what a VJP stores; public only as print_saved_residuals.
 # RematTraced / CheckpointName: what jax_remat3 stages; DotsSaveable / SaveOnlyTheseNames /
-# SaveAnyNamesButThese: the only policy classes jax_remat3 honours. No public alternative.
+# SaveAnyNamesButThese: the only policy classes jax_remat3 honours, and where the name lists of
+# jax.checkpoint_policies' factories are read (factory_call). No public alternative.
 from jax._src.ad_checkpoint import (
     CheckpointName,
     DotsSaveable,
@@ -81,7 +82,9 @@ __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_bwd",
     "custom_vjp_call_p",
+    "factory_call",
     "hi_kind",
+    "is_jax_policy",
     "jit_p",
     "name_p",
     "optimization_barrier_p",
@@ -148,6 +151,52 @@ def persistent_cache_bypassed() -> Iterator[None]:
             yield
     finally:
         reset_cache()
+
+
+_cp = jax.checkpoint_policies
+# Every closure a factory returns shares its function's code object: what tells them apart from
+# any other callable. These two keep their arguments only in the closure's cells.
+_SAVE_AND_OFFLOAD = _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=(),
+    names_which_can_be_offloaded=(),
+    offload_src="device",
+    offload_dst="pinned_host",
+).__code__
+_SAVE_FROM_BOTH = _cp.save_from_both_policies(_cp.nothing_saveable, _cp.nothing_saveable).__code__
+
+
+def factory_call(policy: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]] | None:
+    """``(factory, args, kwargs)``: the ``jax.checkpoint_policies`` call that made ``policy``,
+    for the factories whose arguments it keeps (``save_only_these_names``,
+    ``save_any_names_but_these``, ``save_and_offload_only_these_names``,
+    ``save_from_both_policies``); None for any other callable. Names come sorted.
+    """
+    if isinstance(policy, SaveOnlyTheseNames):
+        return "save_only_these_names", tuple(sorted(policy.saveable_names)), {}
+    if isinstance(policy, SaveAnyNamesButThese):
+        return "save_any_names_but_these", tuple(sorted(policy.names)), {}
+    code = getattr(policy, "__code__", None)
+    if code is None or code not in (_SAVE_AND_OFFLOAD, _SAVE_FROM_BOTH):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in policy.__closure__), strict=True))
+    if code is _SAVE_FROM_BOTH:
+        return "save_from_both_policies", (cells["policy_1"], cells["policy_2"]), {}
+    return (
+        "save_and_offload_only_these_names",
+        (),
+        {
+            "names_which_can_be_saved": sorted(cells["names_which_can_be_saved"]),
+            "names_which_can_be_offloaded": sorted(cells["names_which_can_be_offloaded"]),
+            "offload_src": cells["offload_src"],
+            "offload_dst": cells["offload_dst"],
+        },
+    )
+
+
+def is_jax_policy(policy: Any) -> bool:
+    """Whether ``policy`` is one of ``jax.checkpoint_policies`` or a factory of it made it."""
+    # The module defining jax.checkpoint_policies: every policy and factory closure is made there.
+    return getattr(policy, "__module__", None) == SaveOnlyTheseNames.__module__
 
 
 def hi_kind(eqn: Any) -> str | None:
