@@ -19,7 +19,7 @@ import jax
 
 from remat_nn._jax_internals import DeprecatedArg
 from remat_nn._plan import Plan, as_plan, checked_body
-from remat_nn._policies import NO_REMAT, for_remat3
+from remat_nn._policies import NO_REMAT, for_remat3, is_custom, watched_body
 from remat_nn._policies import policy as resolve_policy
 from remat_nn.errors import closest, did_you_mean
 
@@ -59,16 +59,26 @@ def check_bool(value: Any, arg: str, where: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class RematPolicy:
     """A remat front-end's ``policy`` argument, read once (``rn.checkpoint``, ``nn.remat`` and
-    ``rnnx.remat`` share it): what to hand ``jax.checkpoint`` (or flax's remat), and the plan
-    whose names the body is checked against at first trace."""
+    ``rnnx.remat`` share it): what to hand ``jax.checkpoint`` (or flax's remat), and what the
+    body is checked against at first trace."""
 
     policy: Any  # for jax.checkpoint(..., policy=...)
-    plan: Plan | None  # the plan the spec denotes, or None (a policy name, a callable, None)
+    plan: Plan | None  # the plan the spec denotes (a JAX name policy's too), else None
+    where: str  # the front end, for messages
+    custom: bool  # a callable of the user's own: watched for saving nothing
 
-    def checked(self, fn: Callable[..., Any], where: str) -> Callable[..., Any]:
-        """``fn``, raising a PlanError at first trace when a plan name never occurs in it."""
+    @property
+    def checks(self) -> bool:
+        """Whether :meth:`checked` wraps the body."""
+        return self.custom or (self.plan is not None and bool(self.plan.names))
+
+    def checked(self, fn: Callable[..., Any], body: str) -> Callable[..., Any]:
+        """``fn``, raising a PlanError at first trace when a plan name never occurs in it, or
+        warning then when a policy of the user's own saves nothing in it."""
         if self.plan is not None and self.plan.names:
-            return checked_body(fn, self.plan, where)
+            return checked_body(fn, self.plan, body)
+        if self.custom:
+            return watched_body(fn, self.policy, self.where, body)
         return fn
 
 
@@ -79,7 +89,9 @@ def resolve_remat(policy: Any, where: str) -> RematPolicy:
       PolicyError / PlanError: an unknown policy name, a malformed plan, or a policy the
         ``jax_remat3`` flag cannot honour (see :func:`remat_nn._policies.for_remat3`).
     """
-    return RematPolicy(for_remat3(policy, resolve_policy(policy), where), as_plan(policy))
+    the_plan = as_plan(policy)
+    resolved = for_remat3(policy, resolve_policy(policy), where)
+    return RematPolicy(resolved, the_plan, where, the_plan is None and is_custom(policy))
 
 
 def _check_prevent_cse(value: Any, where: str) -> bool | tuple[Any, ...]:

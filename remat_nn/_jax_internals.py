@@ -13,6 +13,8 @@ whose ``_prim`` param is the object that says which: :func:`hi_kind` tells them 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -26,7 +28,8 @@ from jax._src import core, source_info_util
 
 # saved_residuals: JAX's list of what a VJP stores; public only as print_saved_residuals.
 # RematTraced / CheckpointName: what jax_remat3 stages; DotsSaveable / SaveOnlyTheseNames /
-# SaveAnyNamesButThese: the only policy classes jax_remat3 honours. No public alternative.
+# SaveAnyNamesButThese: the only policy classes jax_remat3 honours, and where the name lists of
+# jax.checkpoint_policies' factories are read (factory_call). No public alternative.
 from jax._src.ad_checkpoint import (
     CheckpointName,
     DotsSaveable,
@@ -36,8 +39,8 @@ from jax._src.ad_checkpoint import (
     saved_residuals,
 )
 
-# enable_compilation_cache: the config option as a context manager (jax.config.update is global);
-# explain_peak compiles once with the persistent cache off, whose key ignores xla_dump_to.
+# enable_compilation_cache: the config option as a context manager (jax.config.update is global),
+# for persistent_cache_bypassed.
 from jax._src.config import enable_compilation_cache
 
 # call_hi_primitive and CustomVJPTraced: what jax_remat3 / jax_custom_vjp3 stage; not public.
@@ -53,6 +56,9 @@ from jax._src.lax.lax import optimization_barrier_p, split_p
 # DeprecatedArg: the default of jax.checkpoint's removed `concrete` parameter; rn.checkpoint has
 # the same signature (and so the same sentinel). Not public.
 from jax._src.typing import DeprecatedArg
+
+# Public (jax.experimental), here beside the option it goes with: persistent_cache_bypassed.
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 # Public: jax.extend.core.primitives.
 custom_jvp_call_p = _public_prims.custom_jvp_call_p
@@ -76,12 +82,14 @@ __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_bwd",
     "custom_vjp_call_p",
-    "enable_compilation_cache",
+    "factory_call",
     "hi_kind",
+    "is_jax_policy",
     "jit_p",
     "name_p",
     "optimization_barrier_p",
     "pe",
+    "persistent_cache_bypassed",
     "remat3_honours",
     "remat3_on",
     "remat_p",
@@ -124,6 +132,71 @@ def remat3_honours(policy: Any) -> bool:
         or isinstance(policy, DotsSaveable | SaveOnlyTheseNames | SaveAnyNamesButThese)
         or policy is jax.checkpoint_policies.nothing_saveable
     )
+
+
+@contextlib.contextmanager
+def persistent_cache_bypassed() -> Iterator[None]:
+    """Compiles inside neither read nor write JAX's persistent compilation cache.
+
+    JAX decides once per process whether it uses the cache (at the first compile) and keeps the
+    answer, so ``enable_compilation_cache(False)`` alone changes nothing after that compile (a
+    warm cache is read) and, before it, turns the cache off for the rest of the process. The
+    decision is therefore reset on the way in, taken again with the option off, and reset on the
+    way out, to be taken again as configured at the next compile. Another thread compiling
+    meanwhile compiles without the cache too.
+    """
+    reset_cache()
+    try:
+        with enable_compilation_cache(False):
+            yield
+    finally:
+        reset_cache()
+
+
+_cp = jax.checkpoint_policies
+# Every closure a factory returns shares its function's code object: what tells them apart from
+# any other callable. These two keep their arguments only in the closure's cells.
+_SAVE_AND_OFFLOAD = _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=(),
+    names_which_can_be_offloaded=(),
+    offload_src="device",
+    offload_dst="pinned_host",
+).__code__
+_SAVE_FROM_BOTH = _cp.save_from_both_policies(_cp.nothing_saveable, _cp.nothing_saveable).__code__
+
+
+def factory_call(policy: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]] | None:
+    """``(factory, args, kwargs)``: the ``jax.checkpoint_policies`` call that made ``policy``,
+    for the factories whose arguments it keeps (``save_only_these_names``,
+    ``save_any_names_but_these``, ``save_and_offload_only_these_names``,
+    ``save_from_both_policies``); None for any other callable. Names come sorted.
+    """
+    if isinstance(policy, SaveOnlyTheseNames):
+        return "save_only_these_names", tuple(sorted(policy.saveable_names)), {}
+    if isinstance(policy, SaveAnyNamesButThese):
+        return "save_any_names_but_these", tuple(sorted(policy.names)), {}
+    code = getattr(policy, "__code__", None)
+    if code is None or code not in (_SAVE_AND_OFFLOAD, _SAVE_FROM_BOTH):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in policy.__closure__), strict=True))
+    if code is _SAVE_FROM_BOTH:
+        return "save_from_both_policies", (cells["policy_1"], cells["policy_2"]), {}
+    return (
+        "save_and_offload_only_these_names",
+        (),
+        {
+            "names_which_can_be_saved": sorted(cells["names_which_can_be_saved"]),
+            "names_which_can_be_offloaded": sorted(cells["names_which_can_be_offloaded"]),
+            "offload_src": cells["offload_src"],
+            "offload_dst": cells["offload_dst"],
+        },
+    )
+
+
+def is_jax_policy(policy: Any) -> bool:
+    """Whether ``policy`` is one of ``jax.checkpoint_policies`` or a factory of it made it."""
+    # The module defining jax.checkpoint_policies: every policy and factory closure is made there.
+    return getattr(policy, "__module__", None) == SaveOnlyTheseNames.__module__
 
 
 def hi_kind(eqn: Any) -> str | None:

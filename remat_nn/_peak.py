@@ -25,7 +25,7 @@ import jax
 
 from remat_nn._jax_internals import (
     checkpoint_name_of,
-    enable_compilation_cache,
+    persistent_cache_bypassed,
     source_info_util,
     sub_jaxprs,
 )
@@ -323,7 +323,7 @@ def explain_peak(
     lowered = jitted.lower(*args, **kwargs)
     with tempfile.TemporaryDirectory(prefix="remat_nn_peak_") as tmp:
         # The persistent cache drops xla_dump_to from its key: a cache hit would dump nothing.
-        with enable_compilation_cache(False):
+        with persistent_cache_bypassed():
             compiled = lowered.compile(compiler_options={"xla_dump_to": tmp})
         head = re.match(r"HloModule ([^,\s]+)", compiled.as_text() or "")
         module = head.group(1) if head else "*"

@@ -12,8 +12,7 @@ maxtext#4990).
 from __future__ import annotations
 
 import functools
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +20,14 @@ from typing import Any, Literal
 import jax
 import yaml
 
-from remat_nn._jax_internals import checkpoint_name_of, core, name_p, pe, sub_jaxprs
+from remat_nn._jax_internals import (
+    checkpoint_name_of,
+    core,
+    factory_call,
+    name_p,
+    pe,
+    sub_jaxprs,
+)
 from remat_nn.errors import PlanError, did_you_mean_each
 
 __all__ = ["ACTIONS", "Plan", "names_in_jaxpr", "plan"]
@@ -263,34 +269,60 @@ def plan(spec: Plan | Mapping[str, Any] | str | Path | None = None, **kwargs: An
     return Plan(**mapping)
 
 
-# Policies rn.policy built from a name factory (save_only_these_names, ...) -> the plan of their
-# names, which remat wrappers check at first trace as for a plan. Keyed by identity (JAX's
-# name-list classes compare by value, and a policy JAX's own factory made is not ours to check),
-# each entry dropped when its policy is collected.
-_NAMED: dict[int, tuple[weakref.ref[Any], Plan]] = {}
-
-
-def remember_names(policy: Any, names: Plan) -> None:
-    """Records that ``policy`` (built by :func:`remat_nn.policy`) refers to ``names``' names."""
-    key = id(policy)
-    _NAMED[key] = (weakref.ref(policy, lambda _: _NAMED.pop(key, None)), names)
-
-
-def checked_names(policy: Any) -> Plan | None:
-    """The plan :func:`remember_names` recorded for ``policy``, or None."""
-    entry = _NAMED.get(id(policy))
-    return entry[1] if entry is not None and entry[0]() is policy else None
-
-
 def as_plan(spec: Any) -> Plan | None:
-    """The :class:`Plan` a policy spec denotes (a Plan, a mapping, a ``"save=..."`` string, or a
-    policy :func:`remat_nn.policy` built from a name factory: the plan of those names), or None
-    for a policy name, another callable or None."""
+    """The :class:`Plan` a policy spec denotes, or None (a policy name, another callable, None).
+
+    A Plan, a mapping or a ``"save=..."`` string; or a policy one of ``jax.checkpoint_policies``'
+    name factories made, however it was made (``rn.policy("save_only_these_names", "a")`` or
+    ``jax.checkpoint_policies.save_only_these_names("a")``): the plan of its names, which remat
+    wrappers check against the body as any plan's.
+
+    >>> import jax, remat_nn as rn
+    >>> str(as_plan(jax.checkpoint_policies.save_any_names_but_these("mlp_hidden")))
+    'recompute=mlp_hidden;default=save'
+    """
     if isinstance(spec, Plan):
         return spec
     if isinstance(spec, Mapping) or (isinstance(spec, str) and "=" in spec):
         return plan(spec)
-    return checked_names(spec)
+    call = factory_call(spec)
+    if call is None:
+        return None
+    factory, args, kwargs = call
+    if factory == "save_from_both_policies":
+        a, b = (as_plan(p) for p in args)
+        return _either(a, b) if a is not None and b is not None else None
+    return _names_plan(factory, args, kwargs)
+
+
+def _names_plan(factory: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plan:
+    """The plan equal to ``jax.checkpoint_policies.<factory>(*args, **kwargs)`` for the name
+    factories: ``save_only_these_names``, ``save_any_names_but_these`` and
+    ``save_and_offload_only_these_names``."""
+    if factory == "save_only_these_names":
+        return plan(save=list(args))
+    if factory == "save_any_names_but_these":
+        return plan(recompute=list(args), default="save")
+    return plan(
+        save=list(kwargs.get("names_which_can_be_saved", ())),
+        offload=list(kwargs.get("names_which_can_be_offloaded", ())),
+        offload_src=kwargs.get("offload_src", "device"),
+        offload_dst=kwargs.get("offload_dst", "pinned_host"),
+    )
+
+
+def _either(a: Plan, b: Plan) -> Plan | None:
+    # save_from_both_policies of two name policies: a name is saved if either saves it (unnamed
+    # values are recomputed by both). JAX's takes boolean policies only: no offloading one.
+    if a.offload or b.offload:
+        return None
+    names = dict.fromkeys(a.names + b.names)
+    saved = [n for n in names if "save" in (a.action(n), b.action(n))]
+    return plan(
+        save=saved,
+        recompute=[n for n in names if n not in saved],
+        default="save" if "save" in (a.default, b.default) else "recompute",
+    )
 
 
 # --- finding names in traced code -------------------------------------------------------------
@@ -306,19 +338,23 @@ def names_in_jaxpr(jaxpr: Any, eqns: Iterable[Any] | None = None) -> Iterator[st
             yield from names_in_jaxpr(getattr(sub, "jaxpr", sub))
 
 
-def names_in_current_trace() -> frozenset[str] | None:
-    """Names bound so far in the jaxpr being traced right now, or None if not tracing to a jaxpr.
+def current_trace_eqns() -> list[Any] | None:
+    """The equations of the jaxpr being traced right now, or None if not tracing to a jaxpr.
 
-    Used by remat wrappers to validate a plan against the body they are tracing, at first use,
-    without tracing it twice. Relies on JAX internals (pinned in requirements.lock); returns None
-    rather than guessing if they change.
+    Used by remat wrappers to check a plan or a policy against the body they are tracing, at
+    first use, without tracing it twice. Relies on JAX internals (pinned in requirements.lock);
+    returns None rather than guessing if they change.
     """
     trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
     frame = getattr(trace, "frame", None)
     get_eqns = getattr(frame, "get_eqns", None)
-    if get_eqns is None:
-        return None
-    return frozenset(names_in_jaxpr(None, get_eqns()))
+    return None if get_eqns is None else list(get_eqns())
+
+
+def names_in_current_trace() -> frozenset[str] | None:
+    """Names bound so far in the jaxpr being traced right now, or None if not tracing to a jaxpr."""
+    eqns = current_trace_eqns()
+    return None if eqns is None else frozenset(names_in_jaxpr(None, eqns))
 
 
 def checked_body(fn: Callable[..., Any], the_plan: Plan, where: str) -> Callable[..., Any]:

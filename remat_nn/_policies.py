@@ -2,14 +2,17 @@
 
 Every policy in ``jax.checkpoint_policies`` resolves by its own name, plus short aliases. A
 policy is a callable value (``policy(prim, *avals, **params) -> bool | pe.Saveable | ...``), so
-callables pass through unchanged; plans (:mod:`remat_nn._plan`) compile to one.
+callables pass through unchanged; plans (:mod:`remat_nn._plan`) compile to one. What remat
+wrappers check at first trace: a name policy's names (read as a plan), and whether a callable of
+the user's own saves anything (:func:`watched_body`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -18,9 +21,13 @@ import jax
 from remat_nn._jax_internals import (
     SaveAnyNamesButThese,
     SaveOnlyTheseNames,
+    is_jax_policy,
+    pe,
     remat3_honours,
     remat3_on,
+    sub_jaxprs,
 )
+from remat_nn._plan import Plan, as_plan, current_trace_eqns, names_in_jaxpr, plan
 from remat_nn.errors import PolicyError, did_you_mean
 
 __all__ = ["ALIASES", "NO_REMAT", "POLICIES", "Policy", "policy"]
@@ -123,25 +130,6 @@ _NOT_A_POLICY = (
 )
 
 
-# The factories whose names are checked as a plan's are (remat_nn._plan.remember_names).
-_NAME_FACTORIES = frozenset(
-    {"save_only_these_names", "save_any_names_but_these", "save_and_offload_only_these_names"}
-)
-
-
-def _names_plan(key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    from remat_nn._plan import plan
-
-    if key == "save_only_these_names":
-        return plan(save=list(args))
-    if key == "save_any_names_but_these":
-        return plan(recompute=list(args), default="save")
-    return plan(
-        save=list(kwargs.get("names_which_can_be_saved", ())),
-        offload=list(kwargs.get("names_which_can_be_offloaded", ())),
-    )
-
-
 def _unknown(spec: str) -> PolicyError:
     valid = sorted([*POLICIES, *ALIASES])
     hint = did_you_mean(spec, valid)
@@ -154,18 +142,24 @@ def _unknown(spec: str) -> PolicyError:
 def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
     """Resolves a policy name, alias, plan or callable to a JAX remat policy.
 
+    The names of a policy a name factory made (``save_only_these_names``,
+    ``save_any_names_but_these``, ``save_and_offload_only_these_names``, and
+    ``save_from_both_policies`` of two of them), by this function or by
+    ``jax.checkpoint_policies`` itself, are checked as a plan's are when ``rn.checkpoint``,
+    ``nn.remat`` or ``rnnx.remat`` first trace the body; a callable of your own that saves nothing
+    there warns once (:func:`watched_body`).
+
     Args:
       spec: one of
         - a name in ``jax.checkpoint_policies`` (e.g. ``"dots_with_no_batch_dims_saveable"``);
           factories (``"save_only_these_names"``, ...) take their arguments as ``*args`` /
-          ``**kwargs`` (the names of the name factories are checked as a plan's are, when
-          ``rn.checkpoint``, ``nn.remat`` or ``rnnx.remat`` first trace the body); the offload
-          ones default to ``offload_src="device"``,
+          ``**kwargs``; the offload ones default to ``offload_src="device"``,
           ``offload_dst="pinned_host"``;
         - an alias: ``full`` (recompute everything), ``dots``, ``dots_no_batch``
           (``"none"`` is no policy: it means no remat wrapper, see :data:`NO_REMAT`);
         - a :class:`remat_nn.Plan`, a plan mapping or a plan string (see :func:`remat_nn.plan`);
         - a callable, returned unchanged; ``None``, returned unchanged (JAX's default).
+
       *args: arguments of a factory policy.
       **kwargs: keyword arguments of a factory policy.
 
@@ -192,8 +186,6 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
     ...
     remat_nn.errors.PolicyError: rn.policy: unknown policy name 'dots_savable'. Did you mean ...
     """
-    from remat_nn._plan import Plan, plan, remember_names  # a plan compiles to a policy
-
     if spec is None or (callable(spec) and not isinstance(spec, str | Plan)):
         if args or kwargs:
             raise PolicyError(
@@ -234,10 +226,70 @@ def policy(spec: Any, *args: Any, **kwargs: Any) -> Policy | None:
             f"{entry.doc.split(':')[0]}. Fix: rn.policy({spec!r}, 'mlp_hidden', ...), "
             "or use rn.plan for names."
         )
-    made = entry.obj(*args, **kwargs)
-    if key in _NAME_FACTORIES:
-        remember_names(made, _names_plan(key, args, kwargs))
-    return made
+    return entry.obj(*args, **kwargs)
+
+
+_SAVES_NOTHING = """\
+{where}: the callable `policy` {policy} saves nothing in {body} at its first trace (it answers \
+recompute for every operation), so the backward pass recomputes everything, as with \
+policy='full'. remat_nn cannot read what a policy of your own means; a name-based one with a \
+misspelled name does exactly this (names that occur: {names}). Fix: for names, \
+rn.plan(save=[...]) or jax.checkpoint_policies.save_only_these_names(...) (their names are \
+checked); to recompute everything, policy='full'."""
+
+
+def is_custom(policy: Any) -> bool:
+    """Whether ``policy`` is a callable neither JAX nor remat_nn made: one whose choices
+    remat_nn cannot read, watched by :func:`watched_body`."""
+    if not callable(policy) or is_jax_policy(policy):
+        return False
+    return not str(getattr(policy, "__module__", "")).startswith("remat_nn.")
+
+
+def watched_body(fn: Callable[..., Any], policy: Any, where: str, body: str) -> Callable[..., Any]:
+    """``fn``, warning at its first trace inside a remat when ``policy`` saves none of its values.
+
+    At that trace (only once per wrapper) the policy is asked about every equation of the body,
+    as JAX asks it when differentiating (``policy(primitive, *avals, **params)``); if it answers
+    recompute for all of them, a UserWarning says so. A policy that raises here is left to JAX.
+    """
+    first = True
+
+    @functools.wraps(fn)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        nonlocal first
+        out = fn(*args, **kwargs)
+        eqns = current_trace_eqns() if first else None
+        if eqns is not None:
+            first = False
+            try:
+                saves = _saves_any(policy, eqns)
+            except Exception:  # JAX raises its own error when it asks the policy
+                saves = True
+            if not saves:
+                names = sorted(set(names_in_jaxpr(None, eqns))) or "none"
+                text = _SAVES_NOTHING.format(
+                    where=where, policy=_label(policy), body=body, names=names
+                )
+                warnings.warn(text, UserWarning, stacklevel=2)
+        return out
+
+    return watched
+
+
+def _saves_any(policy: Any, eqns: Sequence[Any]) -> bool:
+    for eqn in eqns:
+        choice = pe.ensure_enum(policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params))
+        if not isinstance(choice, pe.RecomputeType):
+            return True
+        if any(_saves_any(policy, sub.eqns) for sub in sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _label(policy: Any) -> str:
+    name = getattr(policy, "__qualname__", None)
+    return f"{name!r}" if name else repr(policy)
 
 
 _REMAT3 = """\
@@ -257,8 +309,6 @@ def for_remat3(spec: Any, resolved: Any, where: str) -> Any:
     """
     if not remat3_on() or remat3_honours(resolved):
         return resolved
-    from remat_nn._plan import as_plan
-
     the_plan = as_plan(spec)
     if the_plan is not None and not the_plan.offload:
         # Unnamed values are recomputed by a plan and by both name-list classes alike.

@@ -79,20 +79,35 @@ def dry_run_report(exp: Experiment) -> None:
     if exp.step_fn.__module__ == "train.fused":  # said of the step compiled, not of the config
         accum += ", optimizer update inside the backward: train.update_in_backward"
     say(f"XLA compiled memory of the train step (per device, state donated{accum}):")
+    _peak_report(exp, _abstract(batch))
+
+
+def _peak_report(exp: Experiment, batch: Any) -> None:
+    """XLA's memory analysis of the step, the buffers at its peak and the timeline; a report
+    that fails stops no run: the totals are printed, and why."""
+    import remat_nn as rn
+
+    say = exp.say
     # One compile, with XLA's dump: its memory analysis and the buffers at its peak.
-    args = (exp.step_fn, exp.abstract, _abstract(batch))
+    args = (exp.step_fn, exp.abstract, batch)
     try:
         peak = rn.explain_peak(*args, jit_kwargs=exp.jit_kwargs)
-    except RuntimeError as e:  # XLA wrote no buffer assignment: the totals without the buffers
+    except Exception as e:
         say(str(rn.compiled_memory(*args, jit_kwargs=exp.jit_kwargs)))
-        say(f"(no buffers at the peak: {e})")
+        say(f"(no buffers at the peak: rn.explain_peak failed: {type(e).__name__}: {e})")
         return
     say(str(peak.compiled))
     say(f"largest buffers at XLA's peak (rn.explain_peak, {peak.difference:+d} B from the peak):")
     say(peak.top(10))
-    if exp.is_main:
-        data = peak.save_timeline(exp.run_dir / "memory_timeline.png", title=str(exp.run_dir))
-        say(f"memory timeline: {data.with_suffix('.png')} (data: {data.name})")
+    if not exp.is_main:
+        return
+    png = exp.run_dir / "memory_timeline.png"
+    try:
+        data = peak.save_timeline(png, title=str(exp.run_dir))
+    except Exception as e:  # e.g. a full disk or no matplotlib: the tables are printed
+        say(f"(memory timeline not written to {png}: {type(e).__name__}: {e})")
+        return
+    say(f"memory timeline: {data.with_suffix('.png')} (data: {data.name})")
 
 
 def _abstract(tree: Any) -> Any:

@@ -119,7 +119,7 @@ def remat(
             module=True,
         )
         module_cls: type[fnn.Module] = target
-        if resolved.plan is not None and resolved.plan.names:
+        if resolved.checks:
             module_cls = _checked_module_class(target, resolved, methods)
         lifted_cls = to_flax(module_cls)
         # flax names its subclass "Checkpoint" + name, and a module's auto-name (its parameters'
@@ -136,10 +136,10 @@ def remat(
     check_static_argnums(
         static_argnums, "nn.remat", {getattr(fn, "__name__", repr(fn)): fn}, module=False
     )
-    fn = resolved.checked(fn, getattr(target, "__name__", repr(target)))
-    as_method = to_flax(fn)
+    as_method = to_flax(resolved.checked(fn, getattr(target, "__name__", repr(target))))
+    # rn.checkpoint reads and checks the policy itself (a body checked twice would warn twice).
     as_function = rn_checkpoint(
-        fn, policy=resolved.policy, prevent_cse=prevent_cse, static_argnums=static_argnums
+        fn, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
 
     @functools.wraps(as_method)

@@ -132,14 +132,27 @@ class PlanReport:
             )
         lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
         lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
-        if (peak := self.peak()) is not None:
-            lines += [
+        return "\n".join(lines + self._peak_lines())
+
+    def _peak_lines(self) -> list[str]:
+        # The buffers at the peak, or why they are missing: printing the report never fails
+        # because the explainer did (the totals above stand without it).
+        try:
+            peak = self.peak()
+        except Exception as e:
+            return [
                 "",
-                f"largest temp buffers at the chosen plan's peak (rn.explain_peak; peak "
-                f"{format_bytes(peak.peak_bytes)}, schedule index {peak.peak_index}):",
-                peak.top(8, temp_only=True),
+                f"(no buffers at the chosen plan's peak: rn.explain_peak failed: "
+                f"{type(e).__name__}: {e})",
             ]
-        return "\n".join(lines)
+        if peak is None:
+            return []
+        return [
+            "",
+            f"largest temp buffers at the chosen plan's peak (rn.explain_peak; peak "
+            f"{format_bytes(peak.peak_bytes)}, schedule index {peak.peak_index}):",
+            peak.top(8, temp_only=True),
+        ]
 
 
 def _short(the_plan: Plan) -> str:

@@ -1,6 +1,7 @@
 """Every built-in policy and alias: same values and gradients as no remat, and exactly the
 saved residuals the policy promises, by name and count."""
 
+import re
 from collections import Counter
 
 import jax
@@ -49,6 +50,7 @@ def residual_kinds(fn, *args):
 
 
 SAVE_OUT = jax.checkpoint_policies.save_only_these_names("out")
+SAVE_OUT_TYPO = jax.checkpoint_policies.save_only_these_names("outt")
 
 # policy spec -> the non-argument residuals it promises on `net` (L layers, 2 dots per layer).
 PROMISES = {
@@ -123,26 +125,42 @@ def test_none_is_no_wrapper_everywhere_and_no_policy():
     assert "none" not in rn.ALIASES
 
 
-# factory -> (arguments with a typo, the same arguments spelled right)
+# factory -> (arguments with a typo, the same arguments spelled right, what those save on `net`)
 NAME_FACTORIES = {
-    "save_only_these_names": ((("act", "actt"), {}), (("act",), {})),
-    "save_any_names_but_these": ((("actt",), {}), (("act",), {})),
+    "save_only_these_names": ((("act", "actt"), {}), (("act",), {}), {"name:act": L}),
+    "save_any_names_but_these": (
+        (("actt",), {}),
+        (("act",), {}),
+        {"name:proj": L, "name:out": L},
+    ),
     "save_and_offload_only_these_names": (
         ((), {"names_which_can_be_saved": ["act"], "names_which_can_be_offloaded": ["outt"]}),
         ((), {"names_which_can_be_saved": ["act"], "names_which_can_be_offloaded": ["out"]}),
+        {"name:act": L, "offloaded name:out": L},
     ),
 }
 
 
+def _made_by(maker, factory, pos, kw):
+    """The factory's policy, made by rn.policy or by JAX itself (the offload one's memory
+    kinds, which rn.policy defaults, given)."""
+    if maker == "rn.policy":
+        return rn.policy(factory, *pos, **kw)
+    if factory == "save_and_offload_only_these_names":
+        kw = {**kw, "offload_src": "device", "offload_dst": "pinned_host"}
+    return getattr(jax.checkpoint_policies, factory)(*pos, **kw)
+
+
+@pytest.mark.parametrize("maker", ["rn.policy", "jax.checkpoint_policies"])
 @pytest.mark.parametrize("factory", list(NAME_FACTORIES))
-def test_name_factory_typos_are_plan_errors_at_first_trace(factory, args):
+def test_name_factory_typos_are_plan_errors_at_first_trace(factory, maker, args):
     import flax.linen as fnn
 
     from remat_nn import nn as rnn
     from remat_nn import nnx as rnnx
 
-    (pos, kw), (fixed_pos, fixed_kw) = NAME_FACTORIES[factory]
-    policy = rn.policy(factory, *pos, **kw)
+    (pos, kw), (fixed_pos, fixed_kw), saves = NAME_FACTORIES[factory]
+    policy = _made_by(maker, factory, pos, kw)
     with pytest.raises(rn.PlanError, match=r"never occur in net.*Did you mean"):
         jax.grad(rn.checkpoint(net, policy=policy))(*args)
     with pytest.raises(rn.PlanError, match="never occur in net"):
@@ -155,13 +173,52 @@ def test_name_factory_typos_are_plan_errors_at_first_trace(factory, args):
 
     with pytest.raises(rn.PlanError, match=r"never occur in Layer.__call__"):
         rnn.remat(Layer, policy=policy)().init(jax.random.key(0), args[0])
-    # Names that occur pass: the same factory, spelled right.
-    fixed = rn.policy(factory, *fixed_pos, **fixed_kw)
-    # A policy JAX's own factory made is JAX's: rn.checkpoint runs it as jax.checkpoint does.
-    jax.grad(rn.checkpoint(net, policy=jax.checkpoint_policies.save_only_these_names("actt")))(
-        *args
+    # Names that occur pass: the same factory, spelled right, saves what it promises.
+    fixed = rn.checkpoint(net, policy=_made_by(maker, factory, fixed_pos, fixed_kw))
+    assert residual_kinds(fixed, *args) == Counter(saves)
+    assert rel_err(jax.grad(fixed)(*args), jax.grad(net)(*args)) < 1e-6
+
+
+def test_save_from_both_of_two_name_policies_checks_both(args):
+    cp = jax.checkpoint_policies
+    typo = cp.save_from_both_policies(cp.save_only_these_names("act"), SAVE_OUT_TYPO)
+    with pytest.raises(rn.PlanError, match=r"\['outt'\] never occur in net.*'outt' -> 'out'"):
+        jax.grad(rn.checkpoint(net, policy=typo))(*args)
+    both = cp.save_from_both_policies(
+        cp.save_only_these_names("act"), cp.save_any_names_but_these("proj")
     )
-    jax.grad(rn.checkpoint(net, policy=fixed))(*args)
+    fn = rn.checkpoint(net, policy=both)
+    assert residual_kinds(fn, *args) == Counter({"name:act": L, "name:out": L})
+    # With a policy that is not about names (here dots), the names go unchecked, as JAX's own.
+    dots_or_typo = cp.save_from_both_policies(cp.dots_saveable, SAVE_OUT_TYPO)
+    jax.grad(rn.checkpoint(net, policy=dots_or_typo))(*args)
+
+
+def test_a_callable_of_ones_own_that_saves_nothing_warns_once():
+    from remat_nn import nn as rnn
+
+    def by_name(prim, *_, **params):  # a hand-written name policy, with a typo
+        return params.get("name") == "hh"
+
+    def f(x):
+        return jnp.sum(jnp.sin(rn.name(jnp.cos(x), "h")))
+
+    for wrap in (rn.checkpoint, rnn.remat):
+        fn = wrap(f, policy=by_name)
+        with pytest.warns(UserWarning) as record:
+            jax.grad(fn)(jnp.ones(2))
+            jax.grad(fn)(jnp.ones(3))  # traced again (another shape): no second warning
+        assert len(record) == 1, [str(r.message) for r in record]
+        assert re.match(
+            r"rn.checkpoint: the callable `policy` '.*by_name' saves nothing in f at its first "
+            r"trace .*names that occur: \['h'\]\).*Fix: ",
+            str(record[0].message),
+        )
+    # One that saves something, and JAX's own policies, pass silently (warnings are errors here).
+    jax.grad(rn.checkpoint(f, policy=lambda prim, *_, **params: params.get("name") == "h"))(
+        jnp.ones(2)
+    )
+    jax.grad(rn.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable))(jnp.ones(2))
 
 
 def test_save_anything_except_warns_that_jax_saves_everything(args):

@@ -264,6 +264,25 @@ def test_plan_name_absent_from_module_is_an_error_at_first_use():
     assert names == {"act_0": 1, "dense_1": 1}
 
 
+def test_jax_name_policies_are_checked_as_flax_users_pass_them(jax_upgrade_flags):
+    # The flax habit: JAX's own factory, passed to remat as a callable.
+    cp = jax.checkpoint_policies
+    typo = nn.remat(MLP, policy=cp.save_only_these_names("act_0", "dens_1"))()
+    with pytest.raises(
+        rn.PlanError,
+        match=r"\['dens_1'\] never occur in MLP.__call__.*Names that occur: "
+        r"\['act_0', 'act_1', 'dense_0', 'dense_1'\].*'dens_1' -> 'dense_1'",
+    ):
+        typo.init(jax.random.key(0), X)
+    ok = nn.remat(MLP, policy=cp.save_only_these_names("act_0", "dense_1"))()
+    v = ok.init(jax.random.key(0), X)
+    names = rn.memory_report(lambda p: ok.apply({"params": p}, X).sum(), v["params"]).names()
+    assert names == {"act_0": 1, "dense_1": 1}
+    g = jax.grad(lambda p: ok.apply({"params": p}, X).sum())(v["params"])
+    want = jax.grad(lambda p: MLP().apply({"params": p}, X).sum())(v["params"])
+    assert rel_err(g, want) < 1e-6
+
+
 def test_plan_names_inside_nested_scan_are_found(jax_upgrade_flags):
     def body(c, _):
         return rn.name(jnp.sin(c), "inner"), None
