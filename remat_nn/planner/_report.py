@@ -130,8 +130,8 @@ class PlanReport:
                 f" {mark}{format_bytes(t.temp_bytes):>12}  {pred:>22}  {t.model_seconds:.3g} s"
                 f"{secs}  {form}{_short(t.plan)}"
             )
-        lines += ["", "Pareto front (predicted bytes above the floor -> modeled seconds):"]
-        lines += [f"  {format_bytes(p.nbytes):>12}  {p.seconds:.3g} s" for p in self.front]
+        lines += ["", "Pareto front (predicted temp against the floor -> modeled seconds):"]
+        lines += [f"  {_against_floor(p.nbytes):>18}  {p.seconds:.3g} s" for p in self.front]
         return "\n".join(lines + self._peak_lines())
 
     def _peak_lines(self) -> list[str]:
@@ -153,6 +153,13 @@ class PlanReport:
             f"{format_bytes(peak.peak_bytes)}, schedule index {peak.peak_index}):",
             peak.top(8, temp_only=True),
         ]
+
+
+def _against_floor(nbytes: int) -> str:
+    # Saving a name can lower XLA's temp below recomputing everything (the floor): say so
+    # rather than print a negative size "above" it.
+    side = "above" if nbytes >= 0 else "below"
+    return f"{format_bytes(abs(nbytes))} {side}"
 
 
 def _short(the_plan: Plan) -> str:

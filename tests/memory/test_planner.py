@@ -1,5 +1,6 @@
 """The memory-budget planner: the solver against brute force, budgets, and compiled fit."""
 
+import dataclasses
 import itertools
 import random
 
@@ -140,6 +141,16 @@ def test_plan_fits_the_budget_when_compiled(stack, budget):
     assert temp == report.compiled_temp_bytes
     assert report.plan in [t.plan for t in report.tried]
     assert "Pareto front" in str(report) and "plans compiled" in str(report)
+
+
+def test_a_front_point_below_the_floor_is_printed_as_below(stack):
+    # Saving a name can lower XLA's temp below recomputing everything: a negative prediction
+    # was printed as "-36.25 MiB" under a header saying "above the floor".
+    report = rn.plan_for_budget(_demo.loss, *stack, budget=1.0, measure=False, **RATES)
+    below = type(report.front[0])(-3 * 2**20, 1.0, ())
+    text = str(dataclasses.replace(report, front=[below, *report.front]))
+    front = text.split("Pareto front", 1)[1]
+    assert "3.00 MiB below" in front and "-3.00 MiB" not in front, front
 
 
 def proj_loss(w, x, *, policy="none"):
