@@ -67,8 +67,10 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
     ``g = rn.custom_ivjp(h); g.defivjp(ivjp)`` with ``ivjp(xs, ys, dys) -> (xs, dxs)``: given the
     outputs ``ys`` and their cotangents ``dys``, the rule returns the inputs ``xs`` and their
     cotangents ``dxs``. ``xs`` is the tuple of positional arguments with every leaf to
-    reconstruct passed as ``None`` (leaves of ``known_argnums`` arguments are given). A ``None``
-    cotangent means zero.
+    reconstruct passed as ``None`` (leaves of ``known_argnums`` arguments are given). ``dys`` is
+    always given, arrays shaped as ``ys`` (zeros where ``rn.invertible`` only needs the inputs
+    rebuilt: the ``dxs`` then returned are unused, and XLA drops their computation); the rule
+    may return ``None`` for ``dxs``, meaning zero.
 
     On its own, ``g`` differentiates with the rule, storing only its outputs (and the
     ``known_argnums`` arguments). Inside ``rn.invertible``, the reverse walk uses the rule

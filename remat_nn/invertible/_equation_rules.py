@@ -446,12 +446,14 @@ class IVJPRule:
         del assessment, walk
         bwd = ivjp_bwd(eqn)
         num_consts = ivjp_num_consts(eqn)
-        dys = None
-        if couts is not None:
-            dys = [
-                c if c is not None else zeros_ct(core.typeof(o))
-                for c, o in zip(couts, outs, strict=True)
-            ]
+        # The rule is always given cotangents (zeros where the walk only rebuilds the inputs:
+        # the cotangents it then returns are unused, and XLA drops their computation).
+        zeros = [zeros_ct(core.typeof(o)) for o in outs]
+        dys = (
+            zeros
+            if couts is None
+            else [z if c is None else c for c, z in zip(couts, zeros, strict=True)]
+        )
         given = list(ins[num_consts:])
         xs, dxs = bwd.apply(given, list(outs), dys)
         cts = [None] * num_consts + dxs if couts is not None else None
@@ -464,7 +466,7 @@ class IVJPRule:
                 args = list(given)
                 for k, v in zip(known, known_vals, strict=True):
                     args[k] = v
-                new = bwd.apply(args, out_vals, None)[0]
+                new = bwd.apply(args, out_vals, [jnp.zeros_like(y) for y in out_vals])[0]
                 return [new[k] for k in holes]
 
             got = _errors.inherited(
@@ -487,6 +489,13 @@ def ivjp_bwd(eqn: core.JaxprEqn) -> Any:
     """The custom_ivjp backward object of a custom_vjp equation, or None."""
     bwd = custom_vjp_bwd(eqn)
     return bwd if getattr(bwd, "is_custom_ivjp", False) else None
+
+
+def ivjp_fun(eqn: core.JaxprEqn) -> Any:
+    """The jaxpr of the function a custom_ivjp equation calls (either custom_vjp staging)."""
+    if eqn.primitive is custom_vjp_call_p:
+        return eqn.params["call_jaxpr"]
+    return _custom_vjp3_body(eqn)
 
 
 def ivjp_num_consts(eqn: core.JaxprEqn) -> int:

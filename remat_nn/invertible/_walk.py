@@ -31,7 +31,9 @@ from remat_nn.invertible._equation_rules import (
     CallRule,
     EquationRule,
     Errors,
+    IVJPRule,
     combine_codes,
+    ivjp_fun,
     rule_for,
 )
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
@@ -228,8 +230,12 @@ def _accumulate(ct: dict, v: Any, c: Any) -> None:
 
 
 def _body_of(eqn: core.JaxprEqn) -> Any:
-    """The body a call-like equation evaluates (None for any other equation)."""
+    """The body a call-like equation evaluates (None for any other equation). A custom_ivjp
+    call's is its function: the errors its rebuilt inputs carry are propagated, and its
+    derivatives checked, through the function itself (JAX cannot linearize a custom_vjp)."""
     rule = rule_for(eqn)
+    if isinstance(rule, IVJPRule):
+        return ivjp_fun(eqn)
     return rule.body(eqn) if isinstance(rule, CallRule) else None
 
 

@@ -758,6 +758,58 @@ def test_custom_ivjp_inside_invertible_uses_its_rule(small):
     assert rel_err(got4, 4 * want[0]) < 1e-5  # two layers, each doubling
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_custom_ivjp_rule_as_the_docs_write_it_runs_inside_invertible(depth):
+    # A rule that uses dys unconditionally (the docstring's `2.0 * dys`), inside couplings
+    # whose later layers rebuild its input with an error: JAX refused to linearize the
+    # custom_vjp call when the walk carried that error through it.
+    double = _docs_double()
+
+    def stack(double_fn, a, b):
+        for _ in range(depth):
+            b = b + jnp.tanh(double_fn(a))
+            a = a + jnp.tanh(b)
+        return a, b
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(sum(fn(a, b)) ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    plain = functools.partial(stack, lambda v: 2.0 * v)
+    want = jax.grad(loss(plain), argnums=(0, 1))(x, 0.5 * x)
+    for transform in (lambda f: f, jax.jit):
+        got = transform(jax.grad(loss(rn.invertible(functools.partial(stack, double))), (0, 1)))
+        assert rel_err(got(x, 0.5 * x), want) < 1e-5
+
+
+def _docs_double():
+    double = rn.custom_ivjp(lambda v: 2.0 * v)
+    double.defivjp(lambda xs, ys, dys: ((ys / 2.0,), (2.0 * dys,)))  # uses dys as given
+    return double
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        lambda d, x: (d(d(x)) + 1.0,),
+        lambda d, x: (jnp.exp(d(x)),),
+        lambda d, x: (d(x), 3.0 * x),
+    ],
+    ids=["twice", "exp", "beside_another_output"],
+)
+def test_a_custom_ivjp_rule_is_never_handed_dys_none(program):
+    # Where the walk rebuilt a rule's input with no cotangent at hand (or propagated its
+    # error), it called the rule with dys=None: `2.0 * None`, a TypeError. It now passes zeros.
+    double, x = _docs_double(), jnp.linspace(0.1, 1.0, 4)
+
+    def loss(fn):
+        return lambda x: jnp.sum(fn(x)[0] ** 2)
+
+    want = jax.grad(loss(functools.partial(program, lambda v: 2.0 * v)))(x)
+    got = jax.grad(loss(rn.invertible(functools.partial(program, double))))(x)
+    assert rel_err(got, want) < 1e-6
+
+
 # --- register_inverse ---------------------------------------------------------------------------
 
 
