@@ -89,6 +89,7 @@ def test_explain_peak_compiles_apart_from_the_cache_and_leaves_it_on(tmp_path):
         assert len(list(cache.iterdir())) == len(kept) + 1  # the next compile is
 
 
+@pytest.mark.slow  # two processes, each planning: about 20 CPU-s a mode
 @pytest.mark.parametrize("mode", ["run", "dry run"])
 def test_auto_plan_twice_in_two_processes_on_one_cache(tmp_path, mode):
     # The auto-plan's report explains the chosen plan's peak; a dry run also the step's.
