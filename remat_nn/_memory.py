@@ -242,24 +242,41 @@ class MemoryReport:
 
     def by_source(self) -> dict[str, dict[str, Any]]:
         """``scope | file:line`` -> {count, bytes, shapes, dtypes, actions}."""
-        return self._group(lambda r: f"{r.scope} | {r.source}" if r.scope else r.source)
+        return self._group(_source_key)
 
     def names(self) -> dict[str, int]:
         """Activation name -> how many residuals carry it (named residuals only)."""
         return {k: g["count"] for k, g in self.by_name().items() if not k.startswith("(")}
 
     def __str__(self) -> str:
+        # The arguments a VJP reads (a model's parameters, most of them) are one row each in
+        # by_name() / by_source(); printed, they are one row, naming the largest: the caller
+        # holds them anyway.
+        args = sorted((r for r in self.residuals if r.kind == "argument"), key=lambda r: -r.nbytes)
+        paths = list(dict.fromkeys(r.source for r in args))
+        more = f" +{len(paths) - 3}" if len(paths) > 3 else ""
+        row = f"(arguments {', '.join(paths[:3])}{more}; held by the caller)"
+
+        def printed(r: Residual, key: str) -> str:
+            return row if r.kind == "argument" else key
+
+        names = self._group(lambda r: printed(r, r.label))
+        sources = self._group(lambda r: printed(r, _source_key(r)))
         return "\n".join(
             [
-                _table("residuals by name", "name", self.by_name()),
+                _table("residuals by name", "name", names),
                 "",
-                _table("residuals by source", "source", self.by_source()),
+                _table("residuals by source", "source", sources),
                 "",
                 f"total {format_bytes(self.total_bytes)} in {len(self.residuals)} residuals: "
                 f"saved {format_bytes(self.saved_bytes)}, "
                 f"offloaded {format_bytes(self.offloaded_bytes)}",
             ]
         )
+
+
+def _source_key(r: Residual) -> str:
+    return f"{r.scope} | {r.source}" if r.scope else r.source
 
 
 def _table(title: str, key: str, groups: Mapping[str, Mapping[str, Any]]) -> str:

@@ -132,3 +132,25 @@ def test_host_fields_are_read_field_by_field():
     assert m.peak_bytes == 10 + 11 + 12 - 13
     assert m.host_peak_bytes == 100 + 200 + 300 - 400
     assert "host peak" in str(m)
+
+
+def test_the_printed_report_holds_the_arguments_in_one_row():
+    # A VJP reads its weights: each was one row of both printed tables (57 for a 4-block NNX
+    # model). Printed, they are one row; by_name() still lists each.
+    ws = {f"w{i}": jnp.full((8, 8), 0.1 * (i + 1)) for i in range(6)}
+
+    def loss(ws, x):
+        for w in ws.values():
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    r = rn.memory_report(loss, ws, jnp.ones((4, 8)))
+    args = [k for k in r.by_name() if k.startswith("(argument ")]
+    assert len(args) == 7, r.by_name()  # the six weights, and x (read by the first dW)
+    text = str(r)
+    rows = [ln for ln in text.splitlines() if ln.startswith("(arguments")]
+    assert len(rows) == 2, text  # one in each table
+    row = rows[0]
+    assert "held by the caller" in row and " +4;" in row, row  # the 3 largest named, 4 more
+    assert " 7 " in row and rn.format_bytes(6 * 8 * 8 * 4 + 4 * 8 * 4) in row, row
+    assert "(argument ws" not in text, text
