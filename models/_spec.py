@@ -244,9 +244,11 @@ def at_least_float32(dtype: Any) -> Any:
 
 
 def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
-    """The plan each scanned unit runs under: the model's ``remat``; in a nested scan
-    (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more (measured).
-    The model and its fused-step parts both read it, so they recompute alike.
+    """The plan each scanned unit of a ResNet runs under: the model's ``remat``; in a nested
+    scan (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more
+    (measured); an explicit ``none`` there is refused by its options. The model and its
+    fused-step parts both read it, so they recompute alike. (The transformer's unset plan is
+    ``full`` already, and it honours ``none``.)
 
     >>> full = rn.plan({"default": "recompute"})
     >>> unit_plan(None, 2, full) is full, unit_plan(None, None, full), unit_plan(full, None, 0)
