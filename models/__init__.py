@@ -42,12 +42,14 @@ raises :class:`ModuleError` naming ``model.module``, the value and the fix.
 
 # --- what a registered model is, and the option readers the models share --------------------
 from models._spec import (
+    POLICY_NAMES,
     LayerStack,
     ModelSpec,
     StageStacks,
     at_least_float32,
     check_scan_levels,
     nesting_holds_fewer,
+    remat_name,
     remat_option,
 )
 
@@ -64,6 +66,7 @@ __all__ = [
     "StageStacks",
     "ModelSpec",
     "MODULE_REMAT_PRESETS",
+    "POLICY_NAMES",
     "ModuleError",
     "at_least_float32",
     "build",
@@ -72,5 +75,6 @@ __all__ = [
     "get",
     "nesting_holds_fewer",
     "register",
+    "remat_name",
     "remat_option",
 ]

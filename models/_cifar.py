@@ -233,8 +233,9 @@ class _ImageOptions(pydantic.BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None,
-        description=f"a preset of REMAT_PRESETS ({', '.join(REMAT_PRESETS)}), a per-name "
-        "plan mapping or a remat_nn.Plan; null: the model's default",
+        description=f"a preset of REMAT_PRESETS ({', '.join(REMAT_PRESETS)}), a remat_nn "
+        "policy name (dots, ...), a per-name plan mapping or a remat_nn.Plan; null: the "
+        "model's default",
     )
 
     @pydantic.field_validator("remat", mode="before")
@@ -248,14 +249,15 @@ class _ImageOptions(pydantic.BaseModel):
         return "none" if plan is None else plan
 
 
-def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
-    # The options schema hands a Plan or "none" (a Plan's names are checked again here, as for a
-    # caller of build_resnet / build_revnet); a direct caller may give any form remat_option reads.
+def _plan(remat: Any, default: str, model: str) -> rn.Plan | str | None:
+    # The options schema hands a Plan, a policy name or "none" (a Plan's names are checked again
+    # here, as for a caller of build_resnet / build_revnet); a direct caller may give any form
+    # remat_option reads.
     value = default if remat is None else remat
     return remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
 
 
-def _policy(plan: rn.Plan | None) -> rn.Plan | str:
+def _policy(plan: rn.Plan | str | None) -> rn.Plan | str:
     # A unit's plan as nn.tied_remat takes it: None is no remat.
     return "none" if plan is None else plan
 

@@ -71,7 +71,8 @@ class NNXRevNet(nnx.Module):
       num_classes: outputs of the head.
       in_channels: channels of the input images.
       reversible: ``False``: the same network with plain autodiff through the stages.
-      remat: the downsampling unit's plan (a ``remat_nn.Plan``; None: no remat).
+      remat: the downsampling unit's plan (a ``remat_nn.Plan`` or a remat_nn policy name;
+        None: no remat).
       dtype: compute dtype (parameters stay float32).
       rngs: ``nnx.Rngs`` for the parameters.
     """
@@ -84,7 +85,7 @@ class NNXRevNet(nnx.Module):
         num_classes: int = 10,
         in_channels: int = 1,
         reversible: bool = True,
-        remat: rn.Plan | None = None,
+        remat: rn.Plan | str | None = None,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -219,7 +220,7 @@ class NNXRevNetOptions(pydantic.BaseModel):
     remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None,
         description=f"the downsampling unit's plan: a preset ({', '.join(REMAT_PRESETS)}), a "
-        "per-name plan on conv_out or a remat_nn.Plan; null: full",
+        "remat_nn policy name, a per-name plan on conv_out or a remat_nn.Plan; null: full",
     )
 
     @pydantic.field_validator("width")

@@ -207,7 +207,7 @@ class ResNet(fnn.Module):
     arch: Arch
     num_classes: int = 10
     dtype: Any = jnp.float32
-    remat: rn.Plan | None = None
+    remat: rn.Plan | str | None = None
     scan_units: bool = False
     scan_levels: int | None = None
 

@@ -147,7 +147,7 @@ class RevNet(fnn.Module):
     anchor_every: int | None = None
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
-    remat: rn.Plan | None = None
+    remat: rn.Plan | str | None = None
     unroll: int | bool | None = None
 
     @fnn.compact

@@ -5,7 +5,8 @@ option (``model.options.remat``, with ``custom_plan`` for ``custom``), in one of
 the config parses once into a :class:`train.config.RematRequest` (``cfg.remat_request``):
 
 - a preset name of the model (``full``, ``minimal``, ...; ``none`` is no remat), looked up in the
-  model's ``remat_presets`` (the registry, :class:`models.ModelSpec`);
+  model's ``remat_presets`` (the registry, :class:`models.ModelSpec`), or a remat_nn policy name
+  or alias (``dots``, ...), which every model takes (:func:`models.remat_name` reads both);
 - a per-name plan ``{save: [...], offload: [...], recompute: [...], default: recompute}``;
 - ``{policy: auto, budget: 2GiB, ...}``: a plan chosen by the budget planner at the start of the
   run (:class:`train.config.AutoRequest`, :func:`train.autoplan.load_or_plan`).
@@ -58,34 +59,32 @@ def resolve(
 
     Returns:
       The :class:`remat_nn.Plan`; :data:`NO_REMAT` for the preset ``none``; a policy name
-      (``str``) for a ``model.module``'s preset (:data:`models.MODULE_REMAT_PRESETS`: its
-      ``build`` hands it to ``nn.remat``); the :class:`~train.config.AutoRequest` for
-      ``{policy: auto, ...}`` (plan it with :func:`train.autoplan.load_or_plan`); None when the
-      config names no plan (the model's default plan stands).
+      (``str``, e.g. ``dots``: the model hands it to ``nn.remat``, which resolves it); the
+      :class:`~train.config.AutoRequest` for ``{policy: auto, ...}`` (plan it with
+      :func:`train.autoplan.load_or_plan`); None when the config names no plan (the model's
+      default plan stands).
 
     Raises:
-      ValueError: a preset the model does not have (a config not loaded by ``load_config``).
+      ValueError: neither a preset of the model nor a policy name (a config not loaded by
+        ``load_config``, which checks it against the model).
 
     >>> from train.config import load_config
     >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
     ...                          "remat=save_qkv_proj"])
     >>> resolve(cfg.remat_request, cfg.model.spec()).save
     ('query_proj', 'key_proj', 'value_proj')
+    >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus", "remat=dots"])
+    >>> resolve(cfg.remat_request, cfg.model.spec())
+    'dots'
     >>> cfg = load_config(None, ["remat=null"])
     >>> resolve(cfg.remat_request, cfg.model.spec()) is None
     True
     """
     if request.kind != "preset":
         return {"default": None, "plan": request.plan, "auto": request.auto}[request.kind]
-    presets = spec.remat_presets
-    if request.preset not in presets:
-        named = "the model" if model is None else f"model {model!r}"
-        raise ValueError(
-            f"remat={request.preset!r}: {named} has no such remat preset; its presets: "
-            f"{sorted(presets)}. Fix: load the config with train.config.load_config, which "
-            "checks it against the model."
-        )
-    plan = presets[request.preset]
+    assert request.preset is not None  # a preset request names one
+    named = "the model" if model is None else f"model {model!r}"
+    plan = models.remat_name(request.preset, presets=spec.remat_presets, model=named)
     return NO_REMAT if plan is None else plan
 
 
