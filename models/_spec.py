@@ -25,7 +25,6 @@ __all__ = [
     "coupling_stage",
     "fused_unit_plan",
     "nested_save_every",
-    "unit_plan",
     "nesting_holds_fewer",
     "remat_name",
     "remat_option",
@@ -291,18 +290,6 @@ def at_least_float32(dtype: Any) -> Any:
     (dtype('float32'), dtype('float64'))
     """
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
-    """The plan each scanned unit runs under: the model's ``remat``; in a nested scan
-    (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more (measured).
-    The model and its fused-step parts both read it, so they recompute alike.
-
-    >>> full = rn.plan({"default": "recompute"})
-    >>> unit_plan(None, 2, full) is full, unit_plan(None, None, full), unit_plan(full, None, 0)
-    (True, None, Plan(...))
-    """
-    return full if scan_levels is not None and remat is None else remat
 
 
 def nested_save_every(n: int, scan_levels: int | None) -> int | None:
