@@ -54,7 +54,7 @@ from models._spec import (
 )
 
 # --- the registry: name -> ModelSpec ------------------------------------------------------------
-from models._registry import REGISTRY, build, get, register
+from models._registry import REGISTRY, build, get, register, resolve_options
 
 # --- your own model (model.module) ---------------------------------------------------------------
 from models._from_module import FROM_DATA, MODULE_REMAT_PRESETS, ModuleError, from_module
@@ -77,4 +77,5 @@ __all__ = [
     "register",
     "remat_name",
     "remat_option",
+    "resolve_options",
 ]

@@ -241,12 +241,24 @@ class _ImageOptions(pydantic.BaseModel):
     @pydantic.field_validator("remat", mode="before")
     @classmethod
     def _remat(cls, v: Any) -> Any:
-        # Resolved here, once (one message, naming the model): the Plan, or "none" for no remat
-        # (None stays None: the model's default, which depends on other options).
+        # Resolved here, once (one message, naming the model): the Plan or policy name, or
+        # "none" for no remat (None: the model's default, resolved with the other options).
         if v is None:
             return None
         plan = remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
         return "none" if plan is None else plan
+
+    @pydantic.model_validator(mode="after")
+    def _default_plan(self) -> _ImageOptions:
+        # The default resolved too: the validated options name the plan the model runs.
+        if self.remat is None:
+            plan = _plan(None, self.default_remat(), self.registered_name)
+            self.remat = "none" if plan is None else plan
+        return self
+
+    def default_remat(self) -> str:
+        """The preset an unset ``remat`` stands for (a family's may depend on other options)."""
+        return "none"
 
 
 def _plan(remat: Any, default: str, model: str) -> rn.Plan | str | None:

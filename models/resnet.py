@@ -396,6 +396,9 @@ class ResNetOptions(_ImageOptions):
             raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=where, levels=self.scan_levels))
         return self
 
+    def default_remat(self) -> str:
+        return _default_remat(self.scan_levels)
+
 
 def _default_remat(scan_levels: int | None) -> str:
     # Unset: no remat (the baseline stores every activation), but `full` in a nested scan,

@@ -14,7 +14,8 @@ the config parses once into a :class:`train.config.RematRequest` (``cfg.remat_re
 :func:`resolve` gives a ``Plan``, :data:`NO_REMAT`, an ``AutoRequest`` or None (the config names
 no plan: the model's default stands); :func:`model_options_with_plan` hands the plan to the model
 as its ``remat`` option (every model takes a ``Plan`` there, or refuses one naming itself);
-:func:`check_offload` warns (or refuses) when a plan offloads on a CPU backend.
+:func:`check_offload` warns (or refuses) when a plan offloads on a CPU backend; :func:`plan_line`
+is the ``remat plan:`` line the run log and the dry run print: the plan the model runs.
 
 >>> from train.config import load_config
 >>> cfg = load_config(None, ["model.name=transformer", "data.source=corpus",
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
@@ -39,7 +40,10 @@ import remat_nn as rn
 from train.config import AutoRequest, RematRequest
 from train.errors import SetupError
 
-__all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "resolve"]
+if TYPE_CHECKING:
+    from train.autoplan import AutoChoice
+
+__all__ = ["NO_REMAT", "check_offload", "model_options_with_plan", "plan_line", "resolve"]
 
 #: No remat at all (plain autodiff): the preset ``none``, and what the budget planner passes for
 #: its no-remat candidate.
@@ -136,3 +140,36 @@ def check_offload(plan: Any, mode: str, say: Callable[[str], None]) -> None:
         raise SetupError(f"{msg.split(' (set')[0]}. Fix: run on GPU/TPU, or save those names.")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
     say(f"warning: {msg}")
+
+
+def plan_line(
+    request: RematRequest, runs: Any, presets: Mapping[str, Any], choice: AutoChoice | None = None
+) -> str:
+    """The ``remat plan:`` line of the run log and the dry run: the plan the model runs.
+
+    Args:
+      request: the config's request (``cfg.remat_request``).
+      runs: the model's ``remat`` option as its build received it (:func:`models.resolve_options`:
+        a registered model's default resolved too): a ``Plan``, :data:`NO_REMAT`, a policy name;
+        None for a ``model.module`` that takes none or leaves it to its own default.
+      presets: the model's ``remat_presets``: a plan equal to one is called by its name.
+      choice: ``{policy: auto}``: the planner's choice, whose model form (if not the model as
+        configured) is said after the plan.
+
+    >>> from train.config import RematRequest
+    >>> presets = {"none": None, "full": rn.plan({"default": "recompute"})}
+    >>> plan_line(RematRequest(), presets["full"], presets)
+    'remat plan: full (the model default)'
+    >>> plan_line(RematRequest(kind="preset", preset="none", key="remat", shown="none"), "none", {})
+    'remat plan: none'
+    """
+    if request.kind == "auto":  # the planner's plan, as its plan file holds it
+        form = ""
+        if choice is not None and choice.variant:
+            form = f" (form {choice.variant}: {dict(choice.model_options)})"
+        return f"remat plan: {request.shown} -> {runs}{form}"
+    named = next((k for k, v in presets.items() if v is not None and v == runs), None)
+    name = "(the model default)" if runs is None else named or str(runs)
+    if request.kind == "default":
+        return f"remat plan: {name}" + ("" if runs is None else " (the model default)")
+    return f"remat plan: {request.shown}" + ("" if name == request.shown else f" -> {name}")

@@ -227,7 +227,7 @@ class RematRequest(pydantic.BaseModel):
       auto: ``kind == "auto"``: the budget planner's request.
       key: where it was written: ``remat`` or ``model.options.remat``; None for ``default``.
       shown: the value as written (``custom`` for the transformer's custom spelling), or
-        ``(the model default)``: what the dry run prints.
+        ``(the model default)``: what the ``remat plan:`` line says the config asked for.
 
     >>> request, _ = parse_remat({"save": ["query_proj"]}, {})
     >>> request.kind, str(request.plan), request.key
