@@ -42,17 +42,19 @@ raises :class:`ModuleError` naming ``model.module``, the value and the fix.
 
 # --- what a registered model is, and the option readers the models share --------------------
 from models._spec import (
+    POLICY_NAMES,
     LayerStack,
     ModelSpec,
     StageStacks,
     at_least_float32,
     check_scan_levels,
     nesting_holds_fewer,
+    remat_name,
     remat_option,
 )
 
 # --- the registry: name -> ModelSpec ------------------------------------------------------------
-from models._registry import REGISTRY, build, get, register
+from models._registry import REGISTRY, build, get, register, resolve_options
 
 # --- your own model (model.module) ---------------------------------------------------------------
 from models._from_module import FROM_DATA, MODULE_REMAT_PRESETS, ModuleError, from_module
@@ -64,6 +66,7 @@ __all__ = [
     "StageStacks",
     "ModelSpec",
     "MODULE_REMAT_PRESETS",
+    "POLICY_NAMES",
     "ModuleError",
     "at_least_float32",
     "build",
@@ -72,5 +75,7 @@ __all__ = [
     "get",
     "nesting_holds_fewer",
     "register",
+    "remat_name",
     "remat_option",
+    "resolve_options",
 ]

@@ -233,29 +233,43 @@ class _ImageOptions(pydantic.BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None,
-        description=f"a preset of REMAT_PRESETS ({', '.join(REMAT_PRESETS)}), a per-name "
-        "plan mapping or a remat_nn.Plan; null: the model's default",
+        description=f"a preset of REMAT_PRESETS ({', '.join(REMAT_PRESETS)}), a remat_nn "
+        "policy name (dots, ...), a per-name plan mapping or a remat_nn.Plan; null: the "
+        "model's default",
     )
 
     @pydantic.field_validator("remat", mode="before")
     @classmethod
     def _remat(cls, v: Any) -> Any:
-        # Resolved here, once (one message, naming the model): the Plan, or "none" for no remat
-        # (None stays None: the model's default, which depends on other options).
+        # Resolved here, once (one message, naming the model): the Plan or policy name, or
+        # "none" for no remat (None: the model's default, resolved with the other options).
         if v is None:
             return None
         plan = remat_option(v, presets=REMAT_PRESETS, model=cls.registered_name, names=NAMES)
         return "none" if plan is None else plan
 
+    @pydantic.model_validator(mode="after")
+    def _default_plan(self) -> _ImageOptions:
+        # The default resolved too: the validated options name the plan the model runs.
+        if self.remat is None:
+            plan = _plan(None, self.default_remat(), self.registered_name)
+            self.remat = "none" if plan is None else plan
+        return self
 
-def _plan(remat: Any, default: str, model: str) -> rn.Plan | None:
-    # The options schema hands a Plan or "none" (a Plan's names are checked again here, as for a
-    # caller of build_resnet / build_revnet); a direct caller may give any form remat_option reads.
+    def default_remat(self) -> str:
+        """The preset an unset ``remat`` stands for (a family's may depend on other options)."""
+        return "none"
+
+
+def _plan(remat: Any, default: str, model: str) -> rn.Plan | str | None:
+    # The options schema hands a Plan, a policy name or "none" (a Plan's names are checked again
+    # here, as for a caller of build_resnet / build_revnet); a direct caller may give any form
+    # remat_option reads.
     value = default if remat is None else remat
     return remat_option(value, presets=REMAT_PRESETS, model=model, names=NAMES)
 
 
-def _policy(plan: rn.Plan | None) -> rn.Plan | str:
+def _policy(plan: rn.Plan | str | None) -> rn.Plan | str:
     # A unit's plan as nn.tied_remat takes it: None is no remat.
     return "none" if plan is None else plan
 

@@ -14,8 +14,7 @@ from typing import Any, Literal
 import flax.linen as fnn
 import pydantic
 
-import remat_nn as rn
-from models._spec import ModelSpec
+from models._spec import POLICY_NAMES, ModelSpec
 
 __all__ = ["FROM_DATA", "MODULE_REMAT_PRESETS", "ModuleError", "from_module"]
 
@@ -114,16 +113,13 @@ def from_module(ref: str, *, task: Literal["classify", "lm", "regress"] = "class
     )
 
 
-def _module_remat_presets() -> Mapping[str, Any]:
-    # Every policy name and alias that takes no arguments, handed to build as given (nn.remat
-    # resolves it); "none" (no remat) as the registered models have it.
-    names = [n for n, e in rn.POLICIES.items() if not e.factory] + list(rn.ALIASES)
-    return MappingProxyType({"none": None, **{n: n for n in sorted(names)}})
-
-
 #: The ``remat:`` names a ``model.module`` build takes: ``none`` and the policy names and aliases
-#: of :func:`remat_nn.policy` that take no arguments (``full``, ``dots``, ...).
-MODULE_REMAT_PRESETS: Mapping[str, Any] = _module_remat_presets()
+#: of :func:`remat_nn.policy` that take no arguments (``full``, ``dots``, ...:
+#: :data:`models._spec.POLICY_NAMES`, which every registered model takes too), each handed to
+#: build as given (``nn.remat`` resolves it).
+MODULE_REMAT_PRESETS: Mapping[str, Any] = MappingProxyType(
+    {"none": None, **{n: n for n in POLICY_NAMES}}
+)
 
 
 def _options_schema(fn: Callable[..., Any], ref: str) -> type[pydantic.BaseModel]:

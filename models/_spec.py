@@ -16,6 +16,7 @@ import remat_nn as rn
 from remat_nn.errors import did_you_mean
 
 __all__ = [
+    "POLICY_NAMES",
     "LayerStack",
     "ModelSpec",
     "StageStacks",
@@ -24,10 +25,18 @@ __all__ = [
     "coupling_stage",
     "fused_unit_plan",
     "nested_save_every",
-    "unit_plan",
     "nesting_holds_fewer",
+    "remat_name",
     "remat_option",
 ]
+
+#: The remat_nn policy names every model's ``remat`` option takes besides the model's presets:
+#: each name and alias :func:`remat_nn.policy` resolves without arguments (``dots``,
+#: ``dots_no_batch``, ``nothing_saveable``, ...). A model hands such a name to ``nn.remat`` /
+#: ``rn.checkpoint`` as it is: the library resolves it.
+POLICY_NAMES: tuple[str, ...] = tuple(
+    sorted([n for n, e in rn.POLICIES.items() if not e.factory] + list(rn.ALIASES))
+)
 
 
 @dataclass(frozen=True)
@@ -108,9 +117,10 @@ class ModelSpec:
       doc: one line shown by ``python -m models.summary --list``.
       remat_presets: the preset names the model's ``remat`` option takes, each mapped to its
         :class:`remat_nn.Plan` (None: no remat). A model's ``remat`` option takes one of these
-        names or a ``Plan`` (or a plan mapping; :func:`remat_option` reads it for the CNN models,
-        the transformer adds ``custom``); the trainer hands the config's ``remat:`` to every
-        model through that option.
+        names, a policy name of :data:`POLICY_NAMES` (:func:`remat_name` reads both) or a
+        ``Plan`` (or a plan mapping; :func:`remat_option` reads it for the CNN models, the
+        transformer adds ``custom``); the trainer hands the config's ``remat:`` to every model
+        through that option.
       variants: ``variants(options) -> {label: option overrides}``: the other forms of the
         model that ``remat: {policy: auto, budget: ...}`` may choose when no per-name plan of
         the model as configured fits the budget (a nested scan, the reversible form, ...), only
@@ -164,15 +174,57 @@ def coupling_stage(
     return rn.FusedStage(key, layer, before=before, backward=backward if reversible else None)
 
 
+def remat_name(
+    remat: str, *, presets: Mapping[str, Any], model: str, also: Collection[str] = ()
+) -> Any:
+    """What a remat name stands for on a model: the plan of one of its ``presets`` (None: no
+    remat), else a policy name of :data:`POLICY_NAMES`, returned as it is (the library resolves
+    it where the model remats). The one reading of a remat name every model shares.
+
+    Args:
+      remat: the name.
+      presets: the model's presets (``ModelSpec.remat_presets``); a preset wins over a policy
+        name of the same spelling (``full``: the model's plan).
+      model: how errors call the model.
+      also: names the caller reads itself, listed in the error (the transformer's ``custom``).
+
+    Raises:
+      ValueError: neither a preset nor a policy name (with the closest names).
+
+    >>> presets = {"none": None, "full": rn.plan({"default": "recompute"})}
+    >>> remat_name("full", presets=presets, model="m")
+    Plan(...)
+    >>> remat_name("dots", presets=presets, model="m")  # handed to nn.remat as it is
+    'dots'
+    >>> remat_name("dot", presets=presets, model="m")
+    Traceback (most recent call last):
+    ...
+    ValueError: m: unknown remat preset 'dot'. Did you mean 'dots'? Presets: ['none', 'full']; ...
+    """
+    if remat in presets:
+        return presets[remat]
+    if remat in POLICY_NAMES:
+        return remat
+    known = [*presets, *also]
+    hint = did_you_mean(remat, [*known, *POLICY_NAMES])
+    raise ValueError(
+        f"{model}: unknown remat preset {remat!r}.{hint} Presets: {known}; or a remat_nn "
+        f"policy name or alias: {list(POLICY_NAMES)}; or a per-name plan {{save: [...], "
+        "offload: [...], default: recompute}."
+    )
+
+
 def remat_option(
     remat: Any, *, presets: Mapping[str, Any], model: str, names: Collection[str]
 ) -> Any:
-    """The :class:`remat_nn.Plan` (or None: no remat) a model's ``remat`` option stands for.
+    """The :class:`remat_nn.Plan`, policy name or None (no remat) a model's ``remat`` option
+    stands for.
 
-    The one reading of the option every registered model shares: a preset name of the model's
-    ``remat_presets`` (``none`` is no remat), a ``Plan``, or a plan mapping ``{save: [...],
-    offload: [...], recompute: [...], default: ...}``. A plan naming an activation the model
-    never produces is refused here, before anything is traced: it would silently do nothing.
+    The one reading of the option every registered model shares: a name (:func:`remat_name`:
+    a preset of the model's ``remat_presets``, ``none`` being no remat, or a policy name such
+    as ``dots``), a ``Plan``, or a plan mapping ``{save: [...], offload: [...], recompute:
+    [...], default: ...}``. A plan naming an activation the model never produces is refused
+    here, before anything is traced: it would silently do nothing.
 
     Args:
       remat: the option's value (not None: the model decides its own default).
@@ -181,26 +233,22 @@ def remat_option(
       names: the activation names the model produces (what a plan may name).
 
     Raises:
-      ValueError: an unknown preset (with the closest names), a bad plan mapping, a plan naming
+      ValueError: an unknown name (with the closest names), a bad plan mapping, a plan naming
         an activation the model does not produce, or a value of another type.
 
     >>> import remat_nn as rn
     >>> presets = {"none": None, "full": rn.plan({"default": "recompute"})}
     >>> str(remat_option("full", presets=presets, model="m", names=["conv_out"]))
     'default=recompute'
+    >>> remat_option("dots_no_batch", presets=presets, model="m", names=["conv_out"])
+    'dots_no_batch'
     >>> remat_option({"save": ["conv"]}, presets=presets, model="m", names=["conv_out"])
     Traceback (most recent call last):
     ...
     ValueError: m: option remat=<plan save=conv;default=recompute> names ['conv'], which m ...
     """
     if isinstance(remat, str):
-        if remat not in presets:
-            hint = did_you_mean(remat, presets)
-            raise ValueError(
-                f"{model}: unknown remat preset {remat!r}.{hint} Presets: {list(presets)}; or "
-                "a per-name plan {save: [...], offload: [...], default: recompute}."
-            )
-        return presets[remat]
+        return remat_name(remat, presets=presets, model=model)
     if isinstance(remat, Mapping):
         try:
             remat = rn.plan(remat)
@@ -208,8 +256,9 @@ def remat_option(
             raise ValueError(f"{model}: option remat: {e}") from None
     if not isinstance(remat, rn.Plan):
         raise ValueError(
-            f"{model}: option remat must be a preset name ({', '.join(presets)}), a plan mapping "
-            f"or a remat_nn.Plan; got {type(remat).__name__} {remat!r}. Fix: e.g. remat='full'."
+            f"{model}: option remat must be a preset name ({', '.join(presets)}), a remat_nn "
+            f"policy name, a plan mapping or a remat_nn.Plan; got {type(remat).__name__} "
+            f"{remat!r}. Fix: e.g. remat='full'."
         )
     unknown = [n for n in remat.names if n not in names]
     if unknown:
@@ -243,20 +292,6 @@ def at_least_float32(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def unit_plan(remat: Any, scan_levels: int | None, full: Any) -> Any:
-    """The plan each scanned unit of a ResNet runs under: the model's ``remat``; in a nested
-    scan (``scan_levels`` set) ``full`` if unset, since ``policy=None`` there keeps more
-    (measured); an explicit ``none`` there is refused by its options. The model and its
-    fused-step parts both read it, so they recompute alike. (The transformer's unset plan is
-    ``full`` already, and it honours ``none``.)
-
-    >>> full = rn.plan({"default": "recompute"})
-    >>> unit_plan(None, 2, full) is full, unit_plan(None, None, full), unit_plan(full, None, 0)
-    (True, None, Plan(...))
-    """
-    return full if scan_levels is not None and remat is None else remat
-
-
 def nested_save_every(n: int, scan_levels: int | None) -> int | None:
     """The fused step's ``save_every`` for a stack of ``n`` units nested as the model nests them:
     with ``scan_levels: 2`` the inputs of every k-th unit (k the nesting's inner length); else
@@ -269,15 +304,21 @@ def nested_save_every(n: int, scan_levels: int | None) -> int | None:
 
 
 def fused_unit_plan(plan: Any) -> Any:
-    """The plan a stacked unit runs under in the fused step's backward: none for a plan that
-    saves nothing. The fused step recomputes each unit from its saved input and finishes that
-    recomputation before the unit's backward starts; the plain unit's VJP is exactly that
-    recomputation, while under remat its forward would run inside the backward, unsequenced.
+    """The plan a stacked unit runs under in the fused step's backward: none for a plan (or
+    policy name) that saves nothing. The fused step recomputes each unit from its saved input
+    and finishes that recomputation before the unit's backward starts; the plain unit's VJP is
+    exactly that recomputation, while under remat its forward would run inside the backward,
+    unsequenced.
 
     >>> full = rn.plan({"default": "recompute"})
     >>> fused_unit_plan(full), fused_unit_plan(None), fused_unit_plan(rn.plan({"save": ["q"]}))
     (None, None, Plan(...))
+    >>> fused_unit_plan("nothing_saveable"), fused_unit_plan("dots")
+    (None, 'dots')
     """
+    if isinstance(plan, str):  # "none", or a policy name resolved by the library
+        saves_nothing = plan == "none" or rn.policy(plan) is rn.policy("nothing_saveable")
+        return None if saves_nothing else plan
     return None if isinstance(plan, rn.Plan) and plan.saves_nothing else plan
 
 

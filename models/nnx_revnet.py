@@ -71,7 +71,8 @@ class NNXRevNet(nnx.Module):
       num_classes: outputs of the head.
       in_channels: channels of the input images.
       reversible: ``False``: the same network with plain autodiff through the stages.
-      remat: the downsampling unit's plan (a ``remat_nn.Plan``; None: no remat).
+      remat: the downsampling unit's plan (a ``remat_nn.Plan`` or a remat_nn policy name;
+        None: no remat).
       dtype: compute dtype (parameters stay float32).
       rngs: ``nnx.Rngs`` for the parameters.
     """
@@ -84,7 +85,7 @@ class NNXRevNet(nnx.Module):
         num_classes: int = 10,
         in_channels: int = 1,
         reversible: bool = True,
-        remat: rn.Plan | None = None,
+        remat: rn.Plan | str | None = None,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -218,8 +219,9 @@ class NNXRevNetOptions(pydantic.BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None,
+        validate_default=True,
         description=f"the downsampling unit's plan: a preset ({', '.join(REMAT_PRESETS)}), a "
-        "per-name plan on conv_out or a remat_nn.Plan; null: full",
+        "remat_nn policy name, a per-name plan on conv_out or a remat_nn.Plan; null: full",
     )
 
     @pydantic.field_validator("width")
@@ -235,11 +237,15 @@ class NNXRevNetOptions(pydantic.BaseModel):
     @pydantic.field_validator("remat", mode="before")
     @classmethod
     def _remat(cls, v: Any) -> Any:
-        # Resolved here, once: the Plan, or "none" for no remat (None: the default, full).
-        if v is None:
-            return None
-        plan = remat_option(v, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
+        # Resolved here, once, the default (full) too: the validated options name the plan the
+        # model runs (the Plan or policy name, or "none" for no remat).
+        plan = remat_option(_or_default(v), presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
         return "none" if plan is None else plan
+
+
+def _or_default(remat: Any) -> Any:
+    # Unset: recompute the downsampling unit (it keeps only its input).
+    return "full" if remat is None else remat
 
 
 def build(
@@ -264,9 +270,7 @@ def build(
     >>> sorted(variables), variables["params"]["stage1"]["layers"]["f"]["conv"]["kernel"].shape
     (['batch_stats', 'params'], (1, 3, 3, 2, 2))
     """
-    plan = remat_option(
-        "full" if remat is None else remat, presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES
-    )
+    plan = remat_option(_or_default(remat), presets=REMAT_PRESETS, model="nnx_revnet", names=NAMES)
     return nnx.bridge.to_linen(
         NNXRevNet,
         width=width,

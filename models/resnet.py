@@ -51,7 +51,6 @@ from models._spec import (
     fused_unit_plan,
     nested_save_every,
     nesting_holds_fewer,
-    unit_plan,
 )
 from remat_nn import nn as rnn
 
@@ -175,10 +174,11 @@ class ResNet(fnn.Module):
       arch: the :class:`Arch` (see :data:`ARCHS`).
       num_classes: classifier outputs.
       dtype: compute dtype (parameters and logits float32).
-      remat: the plan of every residual unit (see :data:`REMAT_PRESETS`), or None: no remat.
-        The stem and the head are not rematerialized: the stem's output is the first unit's
-        stored input, and the head's backward runs right after its forward, so neither holds
-        anything across other units.
+      remat: the plan of every residual unit (see :data:`REMAT_PRESETS`; or a remat_nn policy
+        name such as ``"dots"``), or None: no remat, in a nested scan too. The stem and the
+        head are not rematerialized: the stem's output is the first unit's stored input, and
+        the head's backward runs right after its forward, so neither holds anything across
+        other units.
       scan_units: run the identical units of each stage (all but a first unit that changes the
         shape) in one ``nn.scan``, parameters stacked under ``stage{s}``
         (:func:`convert_units` converts variables between the layouts). Compiles each stage
@@ -188,7 +188,9 @@ class ResNet(fnn.Module):
         scan (:func:`remat_nn.remat_scan`) of that many levels instead of ``nn.scan``: about
         ``levels * n**(1/levels)`` unit inputs of a stage held instead of ``n``, for one more
         forward pass of the stage per level below the outermost. Each unit inside it runs under
-        ``remat`` (unset: recomputed whole, as ``full``). The variables are those of
+        ``remat`` (None: no remat, the unit's residuals kept while its segment is recomputed in
+        the backward; with one level that is no remat at all; :func:`build_resnet`'s unset
+        ``remat`` is ``full`` here). The variables are those of
         ``scan_units`` (``init`` runs the very ``nn.scan``), so a checkpoint moves between the
         two; BatchNorm statistics are updated once per unit, by the forward pass. ``None``:
         ``nn.scan``.
@@ -207,7 +209,7 @@ class ResNet(fnn.Module):
     arch: Arch
     num_classes: int = 10
     dtype: Any = jnp.float32
-    remat: rn.Plan | None = None
+    remat: rn.Plan | str | None = None
     scan_units: bool = False
     scan_levels: int | None = None
 
@@ -256,8 +258,8 @@ class ResNet(fnn.Module):
             h, updates = unit.apply(variables, h, mutable=["batch_stats"])
             return h, updates["batch_stats"]  # this unit's new running averages
 
-        plan = unit_plan(self.remat, self.scan_levels, REMAT_PRESETS["full"])
-        x, stats = rn.remat_scan(step, x, stacked, levels=self.scan_levels, policy=plan)
+        policy = _policy(self.remat)
+        x, stats = rn.remat_scan(step, x, stacked, levels=self.scan_levels, policy=policy)
         if train and self.is_mutable_collection("batch_stats"):
             self.put_variable("batch_stats", name, stats)  # (L, ...) leaves, as nn.scan's
         return x
@@ -281,8 +283,7 @@ def stage_stacks(module: ResNet) -> StageStacks:
     changes the width or resolution (``stage{s}_0``) runs before its stage's stack. Every unit
     is under the model's remat plan; the stacked units' inputs are saved, or with
     ``scan_levels: 2`` those of every k-th unit of a stage (the stage's ``save_every``, k the
-    inner length of its nesting: the backward recomputes the others) and each unit under
-    ``full`` unless a plan is set, as the nested scan runs them.
+    inner length of its nesting: the backward recomputes the others).
 
     Raises:
       ValueError: ``scan_units`` is off (no stacks), ``scan_levels`` is above 2 (the fused step
@@ -343,9 +344,9 @@ def _unit(unit: fnn.Module, name: str, rest: Any, stats: Any, h: jax.Array) -> t
 
 def _stacked_unit(o: ResNet, width: int) -> Any:
     """One of a stage's identical units, ``(params, batch_stats, h) -> (h, batch_stats)``,
-    under the model's remat plan as ``nn.scan`` runs it (the nested scan: ``full`` if unset),
-    plain for a plan that saves nothing (the fused step's recomputation: ``fused_unit_plan``)."""
-    plan = fused_unit_plan(unit_plan(o.remat, o.scan_levels, REMAT_PRESETS["full"]))
+    under the model's remat plan as ``nn.scan`` runs it, plain for a plan that saves nothing
+    (the fused step's recomputation: ``fused_unit_plan``)."""
+    plan = fused_unit_plan(o.remat)
     cls = ResidualUnit
     if plan is not None:
         cls = rnn.remat(ResidualUnit, policy=plan, prevent_cse=False)
@@ -393,15 +394,16 @@ class ResNetOptions(_ImageOptions):
         where = f"{self.registered_name}: option "
         if self.scan_levels is not None and not self.scan_units:
             raise ValueError(_SCAN_LEVELS_NEEDS_SCAN.format(where=where, levels=self.scan_levels))
-        if self.scan_levels is not None and self.remat == "none":
-            raise ValueError(
-                f"{where}remat='none' with scan_levels={self.scan_levels}: the nested scan "
-                "recomputes each segment of units in the backward, and its units run under "
-                "`full` when remat is unset; `none` would not be honoured. Fix: drop remat (or "
-                "set remat=full: what runs), another preset or plan for the units, or drop "
-                "scan_levels for no remat."
-            )
         return self
+
+    def default_remat(self) -> str:
+        return _default_remat(self.scan_levels)
+
+
+def _default_remat(scan_levels: int | None) -> str:
+    # Unset: no remat (the baseline stores every activation), but `full` in a nested scan,
+    # whose units would otherwise keep their residuals while each segment is recomputed.
+    return "none" if scan_levels is None else "full"
 
 
 def build_resnet(
@@ -417,16 +419,21 @@ def build_resnet(
 ) -> ResNet:
     """Builds ResNet-``depth`` (32, 110 or 164); ``image_size`` / ``in_channels`` are read by
     callers that make inputs (the network is fully convolutional). ``remat``: a preset of
-    :data:`REMAT_PRESETS`, a plan mapping or a Plan, applied to every unit; unset: ``none`` (the
-    baseline stores every activation).
+    :data:`REMAT_PRESETS`, a remat_nn policy name, a plan mapping or a Plan, applied to every
+    unit; unset: ``none`` (the baseline stores every activation), ``full`` with
+    ``scan_levels``.
 
     >>> build_resnet(depth=164).arch.bottleneck
     True
     >>> str(build_resnet(remat="full", scan_units=True).remat)
     'default=recompute'
+    >>> str(build_resnet(scan_units=True, scan_levels=2).remat)
+    'default=recompute'
+    >>> build_resnet(remat="none", scan_units=True, scan_levels=2).remat is None  # honoured
+    True
     """
     arch = ARCHS[f"resnet{depth}"].scaled(width)
-    plan = _plan(remat, "none", f"resnet{depth}")
+    plan = _plan(remat, _default_remat(scan_levels), f"resnet{depth}")
     return ResNet(
         arch,
         num_classes=num_classes,

@@ -147,7 +147,7 @@ class RevNet(fnn.Module):
     anchor_every: int | None = None
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
-    remat: rn.Plan | None = None
+    remat: rn.Plan | str | None = None
     unroll: int | bool | None = None
 
     @fnn.compact
@@ -286,6 +286,13 @@ class RevNetOptions(_ImageOptions):
         "iteration); null: unrolled on CPU, a loop on GPU/TPU",
     )
 
+    def default_remat(self) -> str:
+        return _default_remat(self.reversible)
+
+
+def _default_remat(reversible: bool) -> str:
+    return "full" if reversible else "none"
+
 
 def build_revnet(
     *,
@@ -320,7 +327,7 @@ def build_revnet(
         reversible=reversible,
         anchor_every=anchor_every,
         dtype=jnp.dtype(dtype),
-        remat=_plan(remat, "full" if reversible else "none", f"revnet{depth}"),
+        remat=_plan(remat, _default_remat(reversible), f"revnet{depth}"),
         unroll=unroll,
     )
 

@@ -9,7 +9,8 @@ block tags its activations with the canonical names of :mod:`remat_nn.names`, so
     -> context -> out_proj -> (+) -> LN = mlp_in -> mlp_hidden (gelu) -> mlp_out -> (+)
 
 The memory plan is chosen by name from :data:`REMAT_PRESETS` (one dict, each entry documented
-once), or given per name with ``remat="custom"``. ``scan_layers=True`` runs the blocks with
+once) or among the library's policy names (``dots``, ...), or given per name with
+``remat="custom"``. ``scan_layers=True`` runs the blocks with
 ``nn.scan`` (compiled once; the remat policy applies inside the scan body), ``reversible=True``
 stacks them as additive couplings (attention as F, the MLP as G) so depth costs no activation
 memory.
@@ -43,10 +44,10 @@ from models._spec import (
     fused_unit_plan,
     nested_save_every,
     nesting_holds_fewer,
+    remat_name,
 )
 from remat_nn import names
 from remat_nn import nn as rnn
-from remat_nn.errors import did_you_mean
 
 __all__ = [
     "REMAT_PRESETS",
@@ -92,22 +93,26 @@ REMAT_PRESETS: Mapping[str, rn.Plan | None] = MappingProxyType(
 
 def remat_plan(
     remat: str | rn.Plan, custom_plan: Mapping[str, Any] | None = None
-) -> rn.Plan | None:
-    """The plan a preset name stands for; ``"custom"`` builds ``custom_plan``; a plan is itself.
+) -> rn.Plan | str | None:
+    """The plan a preset name stands for; ``"custom"`` builds ``custom_plan``; a plan is itself;
+    a remat_nn policy name (``dots``, ...) is itself, resolved by the library in ``nn.remat``.
 
     Args:
-      remat: a key of :data:`REMAT_PRESETS`, ``"custom"``, or a :class:`remat_nn.Plan`.
+      remat: a key of :data:`REMAT_PRESETS`, ``"custom"``, a policy name or alias of
+        :data:`models._spec.POLICY_NAMES`, or a :class:`remat_nn.Plan`.
       custom_plan: the per-name mapping ``{"save": [...], "offload": [...], "recompute": [...],
         "default": ...}`` used when ``remat == "custom"``.
 
     Returns:
-      The plan, or None for ``"none"`` (no remat).
+      The plan, the policy name, or None for ``"none"`` (no remat).
 
     Raises:
-      ValueError: an unknown preset, or ``custom`` without ``custom_plan`` (and vice versa).
+      ValueError: an unknown name, or ``custom`` without ``custom_plan`` (and vice versa).
 
     >>> remat_plan("save_qkv_proj").save
     ('query_proj', 'key_proj', 'value_proj')
+    >>> remat_plan("dots")
+    'dots'
     >>> p = rn.plan({"offload": ["mlp_hidden"]})
     >>> remat_plan(p) is p
     True
@@ -131,13 +136,7 @@ def remat_plan(
             f"transformer: custom_plan is only read with remat='custom', got remat={remat!r}. "
             "Fix: set remat='custom' or drop custom_plan."
         )
-    if remat not in REMAT_PRESETS:
-        hint = did_you_mean(remat, [*REMAT_PRESETS, "custom"])
-        raise ValueError(
-            f"transformer: unknown remat preset {remat!r}.{hint} "
-            f"Presets: {[*REMAT_PRESETS, 'custom']}."
-        )
-    return REMAT_PRESETS[remat]
+    return remat_name(remat, presets=REMAT_PRESETS, model="transformer", also=("custom",))
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -295,7 +294,8 @@ class Transformer(fnn.Module):
         recomputed in the backward; unset, the option is ``full``). Same parameters as
         ``scan_layers`` (a checkpoint moves between the two); no dropout (the nested scan
         draws no random numbers). None: ``nn.scan``.
-      remat: the memory plan of each block (a :class:`remat_nn.Plan`), or None for no remat.
+      remat: the memory plan of each block (a :class:`remat_nn.Plan` or a remat_nn policy
+        name such as ``"dots"``), or None for no remat.
       reversible: additive couplings (attention F, MLP G) in a ``nn.ReversibleSequence``.
       reconstruct: with ``reversible``, reconstruct activations in the backward pass; ``False``
         differentiates the same network (same variables) by plain autodiff: the reference.
@@ -325,7 +325,7 @@ class Transformer(fnn.Module):
     position: Literal["learned", "rotary"] = "learned"
     scan_layers: bool = True
     scan_levels: int | None = None
-    remat: rn.Plan | None = REMAT_PRESETS["full"]
+    remat: rn.Plan | str | None = REMAT_PRESETS["full"]
     reversible: bool = False
     reconstruct: bool = True
     dropout: float = 0.0
@@ -466,7 +466,9 @@ class TransformerOptions(pydantic.BaseModel):
         "(nn.remat_scan) of this many levels, same parameters; null: nn.scan",
     )
     remat: str | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
-        None, description="a preset of REMAT_PRESETS, 'custom' (with custom_plan), or a Plan"
+        None,
+        description="a preset of REMAT_PRESETS, a remat_nn policy name or alias (dots, ...), "
+        "'custom' (with custom_plan), or a Plan",
     )
     custom_plan: dict[str, Any] | None = None
     reversible: bool = False
@@ -480,7 +482,8 @@ class TransformerOptions(pydantic.BaseModel):
         if v is not None and not isinstance(v, str | rn.Plan):
             raise ValueError(
                 f"transformer: option remat must be a preset name ({', '.join(REMAT_PRESETS)}), "
-                f"'custom' with custom_plan, or a remat_nn.Plan; got {type(v).__name__} {v!r}. "
+                "a remat_nn policy name (dots, ...), 'custom' with custom_plan, or a "
+                f"remat_nn.Plan; got {type(v).__name__} {v!r}. "
                 "Fix: e.g. remat=rn.plan({'save': ['query_proj']})."
             )
         return v

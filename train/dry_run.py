@@ -65,13 +65,6 @@ def dry_run_report(exp: Experiment) -> None:
 
     counts = matmul_operand_dtypes(jax.grad(loss_of_params), state.params)
     say("matmul operand dtypes: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
-    shown = cfg.remat_request.shown  # as the config wrote it
-    choice = exp.auto_choice
-    if choice is not None:  # `remat: {policy: auto}`: what the planner chose
-        form = f" (form {choice.variant}: {dict(choice.model_options)})" if choice.variant else ""
-        say(f"remat plan: {shown} -> {exp.options.get('remat')}{form}")
-    else:
-        say(f"remat plan: {shown}")
     say("memory report (residuals saved for the backward pass):")
     say(str(rn.memory_report(loss_of_params, state.params)))
     k = cfg.train.grad_accum

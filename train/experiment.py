@@ -43,7 +43,8 @@ class Experiment:
       cfg: the config.
       dataset: the loaded data.
       model: the flax module, with its remat plan and compute dtype.
-      options: the model's options as built (data-derived values filled in).
+      options: the model's options as its build received them (data-derived values filled
+        in, resolved by :func:`models.resolve_options`: ``remat`` is the plan that runs).
       mesh: the device mesh; ``global_batch`` is split over all of it.
       state_shardings: the train state's shardings (a pytree like the state).
       abstract: the train state as ``ShapeDtypeStruct`` with shardings.
@@ -139,12 +140,13 @@ def build_experiment(
         # The chosen form (its options on the model's, its own remat if it sets one) and plan:
         # the state below (parameters, shardings, optimizer) is built from this model.
         options, plan = {**options, **choice.model_options}, choice.policy
-    model = _build_model(spec, remat_lib.model_options_with_plan(options, plan))
+    options = models.resolve_options(spec, **remat_lib.model_options_with_plan(options, plan))
+    model = _build_model(spec, options)
     init = state_lib.make_init(model, tx, _x_shape(example), seed=cfg.train.seed)
     state_sh, abstract = _state_layout(cfg, init, mesh)
     has_bn = bool(jax.tree.leaves(abstract.batch_stats))
     say(_summary(cfg, abstract, dataset, mesh, global_bs))
-    options = remat_lib.model_options_with_plan(options, plan)
+    say(remat_lib.plan_line(cfg.remat_request, options.get("remat"), spec.remat_presets, choice))
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
     steps = _compile_steps(
         cfg,
@@ -256,9 +258,8 @@ def _auto_plan(
 
     def build(p: Any, overrides: Mapping[str, Any] | None = None) -> Any:
         # The model under plan p (None: its options' own remat); overrides: a variant's options.
-        return _build_model(
-            spec, remat_lib.model_options_with_plan({**options, **(overrides or {})}, p)
-        )
+        opts = remat_lib.model_options_with_plan({**options, **(overrides or {})}, p)
+        return _build_model(spec, models.resolve_options(spec, **opts))
 
     choice = autoplan.load_or_plan(
         request,
@@ -370,8 +371,9 @@ def _model_spec(cfg: Config) -> models.ModelSpec:
 
 
 def _build_model(spec: models.ModelSpec, options: dict[str, Any]) -> Any:
+    # `options` as models.resolve_options gives them (validated once, remat resolved).
     try:
-        return models.build(spec, **options)
+        return spec.build(**options)
     except models.ModuleError as e:  # model.module's build returned something else than a Module
         raise SetupError(str(e)) from None
 

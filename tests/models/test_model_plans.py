@@ -311,6 +311,31 @@ def _dry_run(tmp_path, *overrides: str) -> tuple[str, int]:
     return text, int(float(value) * _UNITS[unit])
 
 
+def _debug_run(run_dir, *overrides: str, dry_run: bool) -> tuple[str, int | None]:
+    # configs/debug.yaml (a 2-block transformer) for one step: its log, and the step's temp.
+    lines: list[str] = []
+    knobs = [f"run_dir={run_dir}", "train.steps=1", "train.plot=false", "checkpoint.every=1"]
+    cfg = load_config(ROOT / "configs/debug.yaml", [*knobs, *overrides])
+    loop.run(cfg, dry_run=dry_run, out=lines.append)
+    text = "\n".join(lines)
+    temp = re.findall(r"XLA compiled memory[\s\S]*?temp: ([\d.]+) (\w+)", text)
+    return text, int(float(temp[0][0]) * _UNITS[temp[0][1]]) if temp else None
+
+
+def test_the_dry_run_and_the_run_log_name_the_plan_that_runs(tmp_path):
+    # The `remat plan:` line names what runs, not only what the config wrote: under scan_levels
+    # the default is `full`, and `none` is none (every block's residuals kept: more temp). The
+    # run log says it too (it said nothing), for a policy name as for a preset.
+    nested = "model.options.scan_levels=1"
+    text, default = _debug_run(tmp_path / "default", nested, dry_run=True)
+    assert "remat plan: full (the model default)" in text.splitlines(), text
+    text, none = _debug_run(tmp_path / "none", nested, "remat=none", dry_run=True)
+    assert "remat plan: none" in text.splitlines(), text
+    assert none is not None and default is not None and none > default, (none, default)
+    text, _ = _debug_run(tmp_path / "dots", "remat=dots", dry_run=False)
+    assert "remat plan: dots" in text.splitlines() and "step      1/1" in text, text
+
+
 @pytest.mark.slow
 def test_the_trainer_dry_run_shows_the_resnet_plan_and_its_memory(tmp_path):
     # Measured: none 57.73 MiB, full 14.47 MiB, full with scan_units 14.46 MiB.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import flax.linen as fnn
 import jax
@@ -167,6 +168,53 @@ def test_transformer_takes_a_plan_as_its_remat_option():
         models.build("transformer", **TINY_LM, remat=plan, reversible=True)
     with pytest.raises(pydantic.ValidationError, match=r"1 validation error[\s\S]*remat_nn.Plan"):
         models.build("transformer", **TINY_LM, remat=3)  # one message, not one per union member
+
+
+# Inside a block, the matmul outputs (dot_general) each policy keeps, by their scope in the block:
+# `dots` keeps all seven (the attention einsums included), `dots_no_batch` those without batch
+# dimensions (the weight matmuls).
+_WEIGHT_DOTS = ["attention/attn/" + p for p in ("query", "key", "value", "out")] + ["mlp/fc_in"]
+_ATTENTION_DOTS = ["attention/attn/bthk,bshk->bhts", "attention/attn/bhts,bshk->bthk"]
+KEPT_DOTS = {"dots": _WEIGHT_DOTS + _ATTENTION_DOTS, "dots_no_batch": _WEIGHT_DOTS}
+
+
+@pytest.mark.parametrize("policy", list(KEPT_DOTS))
+def test_transformer_takes_remat_nn_policy_names(policy):
+    # `remat=dots` was "unknown remat preset" on the transformer, while nn.remat and a
+    # model.module took it. Now the name reaches nn.remat: the gradient is no remat's, and each
+    # block saves exactly the matmul outputs the policy keeps.
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, TINY_LM["vocab_size"])
+    plain = models.build("transformer", **TINY_LM, remat="none")
+    params = random_variables(jax.eval_shape(plain.init, jax.random.key(0), tokens))["params"]
+    module = models.build("transformer", **TINY_LM, remat=policy)
+    assert module.remat == policy
+    grads = [jax.jit(jax.grad(lm_loss(m, tokens)))(params) for m in (module, plain)]
+    assert max_rel_err(*grads) < 1e-5
+    # Residuals on the unrolled model (inside a scan they are outputs of the scan).
+    unrolled = models.build("transformer", **TINY_LM, remat=policy, scan_layers=False)
+    report = rn.memory_report(lm_loss(unrolled, tokens), unstack(params, TINY_LM["n_layers"]))
+    inside = [
+        (m.group(1), r.primitive)
+        for r in report.residuals
+        if (m := re.search(r"/blocks_\d+/(.+)", r.scope))
+    ]
+    want = [(scope, "dot_general") for scope in KEPT_DOTS[policy]] * TINY_LM["n_layers"]
+    assert sorted(inside) == sorted(want)
+
+
+@pytest.mark.parametrize("name", ["transformer", "resnet32", "revnet38", "nnx_revnet"])
+def test_every_model_takes_the_librarys_policy_names(name):
+    # One vocabulary: every name and alias rn.policy resolves without arguments is a remat
+    # value of every model (a model's own preset of the same spelling, `full`, wins), as it is
+    # for a model.module; a misspelling names the closest preset or policy.
+    spec = models.get(name)
+    policies = [n for n, e in rn.POLICIES.items() if not e.factory] + list(rn.ALIASES)
+    for policy in policies:
+        got = spec.options.model_validate({"remat": policy}).remat
+        assert got == spec.remat_presets.get(policy, policy), policy
+    assert set(models.MODULE_REMAT_PRESETS) == {"none", *policies}
+    with pytest.raises(pydantic.ValidationError, match=r"unknown remat preset 'dot'\. Did you"):
+        spec.options.model_validate({"remat": "dot"})
 
 
 @pytest.mark.parametrize("name", ["revnet38", "revnet", "resnet32", "resnet110"])

@@ -146,6 +146,32 @@ def test_remat_plan_is_read_once_into_a_plan_and_checked():
     assert any(p.startswith("remat") or p.startswith("model.options") for p in errs)
 
 
+def test_remat_takes_the_librarys_policy_names_and_none_under_scan_levels():
+    from train import remat as remat_lib
+
+    def resolved(path, *overrides):
+        cfg = load_config(path, list(overrides))
+        return remat_lib.resolve(cfg.remat_request, cfg.model.spec())
+
+    lm = ["model.name=transformer", "data.source=corpus"]
+    # The transformer refused `dots` ("unknown remat preset"): one vocabulary for every model.
+    assert resolved(None, *lm, "remat=dots") == "dots"
+    assert resolved(ROOT / "configs/resnet.yaml", "remat=dots_no_batch") == "dots_no_batch"
+    message = errors_of(None, [*lm, "remat=dot"])["remat"]
+    assert "Did you mean 'dots'?" in message and "dots_with_no_batch_dims_saveable" in message
+    # `none` where a nested scan recomputes segments: honoured (each unit without remat), not
+    # turned into `full` (the transformer did) nor refused (the ResNet did).
+    nested = {
+        "transformer.yaml": ["model.options.scan_levels=1"],
+        "resnet.yaml": ["model.options.scan_units=true", "model.options.scan_levels=2"],
+    }
+    for name, options in nested.items():
+        cfg = load_config(ROOT / "configs" / name, ["remat=none", *options])
+        plan = remat_lib.resolve(cfg.remat_request, cfg.model.spec())
+        built = models.resolve_options(cfg.model.spec(), **cfg.model.options, remat=plan)
+        assert plan == remat_lib.NO_REMAT and built["remat"] == "none", name
+
+
 def test_malformed_overrides():
     tree: dict = {"train": 3}
     errs = apply_overrides(tree, ["train.steps=4", "novalue", "a..b=1"])

@@ -214,18 +214,20 @@ class AutoRequest:
 class RematRequest(pydantic.BaseModel):
     """The run's remat request: what the config asks for, parsed once (:func:`parse_remat`).
 
-    Not yet resolved against the model: :func:`train.remat.resolve` looks a preset up in the
-    model's ``remat_presets`` and gives what the model is built with.
+    Not yet resolved against the model: :func:`train.remat.resolve` looks a name up in the
+    model's ``remat_presets`` and the library's policy names, and gives what the model is built
+    with.
 
     Attributes:
-      kind: ``default`` (no plan named: the model's default stands), ``preset`` (a preset name),
-        ``plan`` (a per-name plan) or ``auto`` (``{policy: auto, ...}``: the planner chooses).
-      preset: ``kind == "preset"``: the name, not checked here (each model has its own).
+      kind: ``default`` (no plan named: the model's default stands), ``preset`` (a name: a
+        preset of the model or a remat_nn policy name), ``plan`` (a per-name plan) or
+        ``auto`` (``{policy: auto, ...}``: the planner chooses).
+      preset: ``kind == "preset"``: the name, not checked here (each model has its presets).
       plan: ``kind == "plan"``: the plan mapping (or the transformer's ``custom_plan``), parsed.
       auto: ``kind == "auto"``: the budget planner's request.
       key: where it was written: ``remat`` or ``model.options.remat``; None for ``default``.
       shown: the value as written (``custom`` for the transformer's custom spelling), or
-        ``(the model default)``: what the dry run prints.
+        ``(the model default)``: what the ``remat plan:`` line says the config asked for.
 
     >>> request, _ = parse_remat({"save": ["query_proj"]}, {})
     >>> request.kind, str(request.plan), request.key

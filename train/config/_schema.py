@@ -419,7 +419,8 @@ class Config(_Section):
     model: Model = Field(default_factory=Model)  # type: ignore[arg-type]
     remat: str | dict[str, Any] | None = Field(
         None,
-        description="remat plan of the model: a preset name, {save: [...], offload: [...], "
+        description="remat plan of the model: none, a preset name of the model, a remat_nn "
+        "policy name or alias (dots, dots_no_batch, ...), {save: [...], offload: [...], "
         "recompute: [...], default: recompute|save}, or {policy: auto, budget: 2GiB} for the "
         "plan the budget planner picks (budget in B/KiB/MiB/GiB, or a fraction of no remat; "
         "below every plan it falls back on the model's forms, e.g. the transformer's "
