@@ -1,11 +1,12 @@
 """What is live at XLA's peak: the buffers of a compiled program, by category, name and source line.
 
 :func:`explain_peak` compiles a function as :func:`remat_nn.compiled_memory` does, with XLA's
-debug dump switched on for that one compile, and reads XLA's buffer assignment, live ranges and
-optimized HLO: the bytes and live ranges are XLA's own (``peak_bytes`` equals temp + argument +
-output - alias of its memory analysis), the category, checkpoint name and source line of each
-buffer are attributed from XLA's op metadata. What is exact, what is attributed, and where it
-applies (scans, sharded programs, host memory): docs/library.md, "The peak explainer in detail".
+debug dump switched on for that one compile, and reads XLA's buffer assignment (with its
+dataflow), live ranges and optimized HLO: the bytes and live ranges are XLA's own (``peak_bytes``
+equals temp + argument + output - alias of its memory analysis), the category, checkpoint name
+and source line of each buffer are attributed from XLA's op metadata and dataflow. What is
+exact, what is attributed, and where it applies (scans, sharded programs, host memory):
+docs/library.md, "The peak explainer in detail".
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class Buffer:
         an output or the fragmentation row.
       nbytes: bytes it adds to the peak (an aliased value's bytes count once).
       shape: its HLO shape, e.g. ``f32[8,128]``.
-      category: ``argument: <role>``, ``output``, ``saved residual``, ``recomputed``,
-        ``gradient`` (any value of the backward pass), ``transient`` or ``fragmentation``.
+      category: ``argument: <role>``, ``output``, ``recomputed`` (a value JAX's remat recomputes
+        in the backward pass), ``gradient`` (any other value of the backward pass), ``saved
+        residual`` (any other value the backward pass reads), ``transient`` or
+        ``fragmentation``.
       name: the ``checkpoint_name``, the argument's pytree path, or None.
       source: ``file:line`` of the defining instruction's innermost frame, or "".
       op_name: XLA's op_name metadata (JAX's name stack).
@@ -331,6 +334,7 @@ def explain_peak(
         assignment = files["buffer-assignment"].read_text()
         live_range = files["live-range"].read_text()
         hlo = files["hlo"].read_text()
+        values = files["values"].read_text()
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(
@@ -338,7 +342,7 @@ def explain_peak(
             "Fix: explain on a cpu, gpu or tpu backend."
         )
     names = _checkpoint_names(fn, args, kwargs)
-    return _explain(assignment, live_range, hlo, _from_stats(stats, float("nan")), names)
+    return _explain(assignment, live_range, hlo, values, _from_stats(stats, float("nan")), names)
 
 
 def explain_later(
@@ -359,6 +363,7 @@ def _dump_files(tmp: Path, module: str) -> dict[str, Path]:
         ("buffer-assignment", "after_optimizations-buffer-assignment.txt"),
         ("live-range", "after_optimizations-live-range.txt"),
         ("hlo", "after_optimizations.txt"),
+        ("values", "after_optimizations-buffer-assignment-values.txt"),
     ):
         paths = sorted(tmp.glob(f"module_*.{module}.*{suffix}"))
         if not paths:
@@ -434,6 +439,7 @@ _DTYPES = {
 
 @dataclass
 class _Value:
+    id: int  # XLA's value id (the same in the buffer assignment and its values file)
     key: str  # instruction{index}
     instruction: str
     size: int
@@ -485,7 +491,15 @@ def _parse_assignment(text: str) -> list[_Allocation]:
             a = allocs[-1]
             instr, index = m.group(2), m.group(3) or "{}"
             a.values.append(
-                _Value(instr + index, instr, int(m.group(5)), int(m.group(6)), m.group(7), a.index)
+                _Value(
+                    int(m.group(1)),
+                    instr + index,
+                    instr,
+                    int(m.group(5)),
+                    int(m.group(6)),
+                    m.group(7),
+                    a.index,
+                )
             )
         elif line.startswith("Total bytes used") or line.startswith("Used values"):
             break
@@ -514,18 +528,89 @@ def _parse_live_range(text: str) -> tuple[list[str], dict[str, tuple[int, int]]]
 
 
 @dataclass(frozen=True)
+class _Flow:
+    """XLA's dataflow over the program's values (its buffer-assignment values file), by id."""
+
+    positions: Mapping[int, tuple[tuple[str, str], ...]]  # (instruction, shape index) holding it
+    users: Mapping[int, tuple[str, ...]]  # the instructions reading it
+
+
+_USED = re.compile(r"^<(\d+) ")
+
+
+def _parse_values(text: str) -> _Flow:
+    """XLA's ``*-buffer-assignment-values.txt``: each value's positions and uses."""
+    positions: dict[int, list[tuple[str, str]]] = {}
+    users: dict[int, list[str]] = {}
+    value, section = -1, ""
+    for line in text.splitlines():
+        if m := _USED.match(line):
+            value = int(m.group(1))
+            positions[value], users[value] = [], []
+        elif line.startswith("  ") and value >= 0 and line.strip() != "(none)":
+            if section == "positions":  # "  tuple.3 {1}", or "  dot" for shape index {}
+                instruction, _, index = line.strip().partition(" ")
+                positions[value].append((instruction, index or "{}"))
+            elif section == "uses":  # "  while.3, operand 0 {3}"
+                users[value].append(line.strip().split(",", 1)[0])
+        else:
+            section = line.strip().rstrip(":")
+    return _Flow(
+        {v: tuple(p) for v, p in positions.items()}, {v: tuple(u) for v, u in users.items()}
+    )
+
+
+def _backward_reads(flow: _Flow, code: _Hlo) -> frozenset[int]:
+    """The ids of the values whose buffer the backward pass reads.
+
+    A value is read by the backward pass when an instruction of it (``code.backward``) uses it,
+    wherever XLA schedules that use; a loop's carry is one buffer per tuple index
+    (:func:`_carries`), read when any of its values is: the stack a forward scan fills is a
+    residual inside the loop too, not only once the loop returns it.
+    """
+    group = {v: v for v in flow.positions}  # union-find over the values sharing a carry
+
+    def find(v: int) -> int:
+        while group[v] != v:
+            group[v] = group[group[v]]
+            v = group[v]
+        return v
+
+    slots: dict[tuple[str, str], int] = {}
+    for v, held in flow.positions.items():
+        for instruction, index in held:
+            for carrier in code.carries.get(instruction, ()):
+                first = slots.setdefault((carrier, index), v)
+                group[find(v)] = find(first)
+    read = {find(v) for v, users in flow.users.items() if any(code.backward.get(u) for u in users)}
+    return frozenset(v for v in flow.positions if find(v) in read)
+
+
+@dataclass(frozen=True)
 class _Meta:
     op_name: str
     frames: tuple[tuple[str, int], ...]  # innermost first
     operands: tuple[str, ...] = ()
     body: str = ""  # a while loop's body computation
+    calls: str = ""  # a fusion's computation
 
 
 _NO_META = _Meta("", ())
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
-    """Instruction name -> metadata, and computation name -> its root instruction's name."""
+@dataclass(frozen=True)
+class _Hlo:
+    """What the optimized HLO says of its instructions, by name."""
+
+    metas: Mapping[str, _Meta]  # instruction -> its metadata
+    roots: Mapping[str, str]  # computation -> its root instruction
+    carries: Mapping[str, set[str]]  # instruction -> the loops whose result it holds
+    backward: Mapping[str, tuple[str, ...]]  # instruction -> its backward origins
+
+
+def _parse_hlo(text: str) -> _Hlo:
+    """The optimized HLO's instructions: metadata, roots, loop carries (:func:`_carries`) and
+    backward origins (:func:`_backward_origins`)."""
     files: dict[int, str] = {}
     locs: dict[int, tuple[int, int]] = {}
     frames: dict[int, tuple[int, int]] = {}
@@ -534,6 +619,8 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
     roots: dict[str, str] = {}
     parent: dict[str, str] = {}  # instruction -> its computation
     loops: dict[str, str] = {}  # a while's body / condition computation -> the while
+    branches: dict[str, str] = {}  # a conditional's branch computation -> the conditional
+    params: dict[str, list[str]] = {}  # computation -> its parameter instructions
     for line in text.splitlines():
         s = line.strip()
         if s in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
@@ -573,12 +660,18 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
                 loops[loop.group(1)] = name
             if cond:
                 loops[cond.group(1)] = name
+            for branch in _branches(rest):
+                branches[branch] = name
+            if re.search(r"\bparameter\(\d+\)", body[0]):
+                params.setdefault(computation, []).append(name)
             parent[name] = computation
+            fusion = re.search(r"\bcalls=%?([\w.\-]+)", rest)
             metas[name] = _Meta(
                 _op_name(meta_text),
                 _frames(meta_text, frames, locs, files),
                 operands,
                 loop.group(1) if loop else "",
+                fusion.group(1) if fusion else "",
             )
     # A loop body's parameters, tuples and their elements carry no metadata: they are the
     # loop's carry, so they take the loop's op_name and source line (nested loops outward).
@@ -590,7 +683,77 @@ def _parse_hlo(text: str) -> tuple[dict[str, _Meta], dict[str, str]]:
             meta = dataclasses.replace(meta, op_name=outer.op_name, frames=outer.frames)
             where = parent.get(loops[where], "")
         metas[name] = meta
-    return metas, roots
+    members: dict[str, list[str]] = {}
+    for name, where in parent.items():
+        members.setdefault(where, []).append(name)
+    return _Hlo(
+        metas,
+        roots,
+        _carries(metas, roots, loops, branches, params),
+        _backward_origins(metas, members),
+    )
+
+
+def _branches(rest: str) -> list[str]:
+    listed = re.search(r"\bbranch_computations=\{([^}]*)\}", rest)
+    names = re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed else []
+    return names + re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", rest)
+
+
+def _carries(
+    metas: Mapping[str, _Meta],
+    roots: Mapping[str, str],
+    loops: Mapping[str, str],
+    branches: Mapping[str, str],
+    params: Mapping[str, Sequence[str]],
+) -> dict[str, set[str]]:
+    """Instruction -> the whiles and conditionals whose result it holds, tuple index for tuple
+    index in one buffer: a while's initial value, its body's and condition's parameters and its
+    body's result; a conditional's branch results; the while or conditional itself."""
+    carries: dict[str, set[str]] = {}
+    for where, w in loops.items():
+        holders = [*params.get(where, ()), w]
+        if metas[w].body == where and where in roots:
+            holders.append(roots[where])
+        if metas[w].operands:
+            holders.append(metas[w].operands[0])
+        for h in holders:
+            carries.setdefault(h, set()).add(w)
+    for where, c in branches.items():
+        for h in ([roots[where]] if where in roots else []) + [c]:
+            carries.setdefault(h, set()).add(c)
+    return carries
+
+
+def _backward_origins(
+    metas: Mapping[str, _Meta], members: Mapping[str, Sequence[str]]
+) -> dict[str, tuple[str, ...]]:
+    """Instruction -> the op_names of the backward pass its value comes from (empty: not a
+    value of the backward pass).
+
+    An instruction of the backward pass has ``transpose(`` in its name stack. One XLA made
+    itself (a copy, a layout change, a fusion whose root has no metadata) belongs to the backward
+    pass when an instruction it fuses (``members`` of the computation it calls) or one of its
+    operands does.
+    """
+    origins: dict[str, tuple[str, ...]] = {}
+
+    def of(instruction: str) -> tuple[str, ...]:
+        if instruction not in origins:
+            origins[instruction] = ()  # an operand cycle adds nothing
+            meta = metas.get(instruction) or _NO_META
+            if meta.op_name:
+                origins[instruction] = (meta.op_name,) if "transpose(" in meta.op_name else ()
+            else:
+                fused = (metas[i].op_name for i in members.get(meta.calls, ()))
+                found = [op for op in fused if "transpose(" in op]
+                found += [op for o in meta.operands if o in metas for op in of(o)]
+                origins[instruction] = tuple(dict.fromkeys(found))
+        return origins[instruction]
+
+    for instruction in metas:
+        of(instruction)
+    return origins
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
@@ -695,14 +858,16 @@ def _explain(
     assignment: str,
     live_range: str,
     hlo: str,
+    values: str,
     compiled: CompiledMemory,
     names: Mapping[tuple[str, int], list[_Name]],
 ) -> PeakReport:
     allocs = _parse_assignment(assignment)
     schedule, ranges = _parse_live_range(live_range)
-    metas, roots = _parse_hlo(hlo)
+    code = _parse_hlo(hlo)
     end_of_program = max(len(schedule) - 1, 0)
-    program = _Program(metas, roots, names, end_of_program, _last_forward(schedule, metas))
+    saved = _backward_reads(_parse_values(values), code)
+    program = _Program(code.metas, code.roots, names, end_of_program, code.backward, saved)
     for a in allocs:
         for v in a.values:
             # A value XLA gives no live range (none expected): live for the whole program.
@@ -738,28 +903,17 @@ class _Program:
     roots: Mapping[str, str]  # computation -> its root instruction
     names: Mapping[tuple[str, int], list[_Name]]  # (file, line) -> the names tagged there
     end: int  # the last schedule index
-    last_forward: int | None  # the forward pass's last schedule index (None: no backward)
+    backward: Mapping[str, tuple[str, ...]]  # instruction -> its backward origins
+    saved: frozenset[int]  # ids of the values whose buffer the backward pass reads
 
     def category(self, v: _Value) -> str:
-        op = (self.metas.get(v.instruction) or _NO_META).op_name
-        if "transpose(" in op:
-            return "recomputed" if "rematted_computation" in op else "gradient"
-        if self.last_forward is not None and v.start <= self.last_forward < v.end:
-            return "saved residual"
-        return "transient"
+        if ops := self.backward.get(v.instruction):
+            recomputed = all("rematted_computation" in op for op in ops)
+            return "recomputed" if recomputed else "gradient"
+        return "saved residual" if v.id in self.saved else "transient"
 
     def buffer(self, v: _Value | None, nbytes: int, category: str, allocation: int) -> Buffer:
         return _buffer(v, nbytes, category, self.metas, self.roots, self.names, allocation)
-
-
-def _last_forward(schedule: Sequence[str], metas: Mapping[str, _Meta]) -> int | None:
-    # The forward pass ends at its last instruction; a value made before that and live after it
-    # is kept for the backward pass (backward values can be scheduled early, e.g. zero-initialised
-    # sums; copies XLA inserts carry no op_name and are made when needed).
-    ops = [(metas.get(ins) or _NO_META).op_name for ins in schedule]
-    has_backward = any("transpose(" in op for op in ops)
-    forward = [i for i, op in enumerate(ops) if "jvp(" in op and "transpose(" not in op]
-    return forward[-1] if forward and has_backward else None
 
 
 def _timeline(
