@@ -629,22 +629,8 @@ def _parse_hlo(text: str) -> _Hlo:
         if not s:
             section = ""
             continue
-        if section == "FileNames":
-            i, name = s.split(" ", 1)
-            files[int(i)] = json.loads(name)
-        elif section == "FileLocations":
-            i = int(s.split(" ", 1)[0])
-            f = re.search(r"file_name_id=(\d+)", s)
-            ln = re.search(r"\bline=(\d+)", s)
-            if f and ln:
-                locs[i] = (int(f.group(1)), int(ln.group(1)))
-        elif section == "StackFrames":
-            i = int(s.split(" ", 1)[0])
-            loc = re.search(r"file_location_id=(\d+)", s)
-            up = re.search(r"parent_frame_id=(\d+)", s)
-            frames[i] = (int(loc.group(1)) if loc else 0, int(up.group(1)) if up else 0)
-        elif section:
-            continue
+        if section:
+            _read_stack_table(section, s, files, locs, frames)
         elif s.endswith("{") and (h := _COMPUTATION.match(s)):
             computation = h.group(1)
         elif m := _INSTR.match(line):
@@ -673,6 +659,45 @@ def _parse_hlo(text: str) -> _Hlo:
                 loop.group(1) if loop else "",
                 fusion.group(1) if fusion else "",
             )
+    _inherit_loop_metadata(metas, parent, loops)
+    members: dict[str, list[str]] = {}
+    for name, where in parent.items():
+        members.setdefault(where, []).append(name)
+    return _Hlo(
+        metas,
+        roots,
+        _carries(metas, roots, loops, branches, params),
+        _backward_origins(metas, members),
+    )
+
+
+def _read_stack_table(
+    section: str,
+    s: str,
+    files: dict[int, str],
+    locs: dict[int, tuple[int, int]],
+    frames: dict[int, tuple[int, int]],
+) -> None:
+    # One line of the dump's FileNames / FileLocations / StackFrames tables.
+    if section == "FileNames":
+        i, name = s.split(" ", 1)
+        files[int(i)] = json.loads(name)
+    elif section == "FileLocations":
+        i = int(s.split(" ", 1)[0])
+        f = re.search(r"file_name_id=(\d+)", s)
+        ln = re.search(r"\bline=(\d+)", s)
+        if f and ln:
+            locs[i] = (int(f.group(1)), int(ln.group(1)))
+    elif section == "StackFrames":
+        i = int(s.split(" ", 1)[0])
+        loc = re.search(r"file_location_id=(\d+)", s)
+        up = re.search(r"parent_frame_id=(\d+)", s)
+        frames[i] = (int(loc.group(1)) if loc else 0, int(up.group(1)) if up else 0)
+
+
+def _inherit_loop_metadata(
+    metas: dict[str, _Meta], parent: Mapping[str, str], loops: Mapping[str, str]
+) -> None:
     # A loop body's parameters, tuples and their elements carry no metadata: they are the
     # loop's carry, so they take the loop's op_name and source line (nested loops outward).
     for name, meta in metas.items():
@@ -683,15 +708,6 @@ def _parse_hlo(text: str) -> _Hlo:
             meta = dataclasses.replace(meta, op_name=outer.op_name, frames=outer.frames)
             where = parent.get(loops[where], "")
         metas[name] = meta
-    members: dict[str, list[str]] = {}
-    for name, where in parent.items():
-        members.setdefault(where, []).append(name)
-    return _Hlo(
-        metas,
-        roots,
-        _carries(metas, roots, loops, branches, params),
-        _backward_origins(metas, members),
-    )
 
 
 def _branches(rest: str) -> list[str]:
