@@ -59,9 +59,14 @@ def _host_temp(compiled: Any) -> int:
     return int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0))
 
 
+def _tracers(args: Sequence[Any]) -> list[Any]:
+    """The leaves of ``args`` that are tracers (the planner was called under a transformation)."""
+    return [x for x in jax.tree.leaves(args) if isinstance(x, core.Tracer)]
+
+
 def _is_concrete(args: Sequence[Any]) -> bool:
     leaves = jax.tree.leaves(args)
-    return all(isinstance(x, jax.Array) and not isinstance(x, core.Tracer) for x in leaves)
+    return all(isinstance(x, jax.Array) for x in leaves) and not _tracers(args)
 
 
 def _time(

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 
-from remat_nn._jax_internals import core
 from remat_nn._memory import format_bytes, memory_report
 from remat_nn._peak import explain_later
 from remat_nn._plan import Plan, names_in_jaxpr
@@ -131,8 +130,7 @@ def plan_for_budget(
 
 def _refuse_tracers(args: Sequence[Any]) -> None:
     # Under jit (or grad, vmap) the arguments are tracers: nothing can be compiled or timed.
-    traced = [a for a in jax.tree.leaves(args) if isinstance(a, core.Tracer)]
-    if traced:
+    if traced := _measure._tracers(args):
         raise TypeError(
             f"plan_for_budget: an argument is a tracer ({type(traced[0]).__name__}): it was "
             "called inside jax.jit, grad or vmap, but it compiles and times the gradient itself, "
