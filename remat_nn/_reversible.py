@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_nn import _named_axes
+from remat_nn import _drift, _named_axes
 from remat_nn._jax_internals import sub_jaxprs
 from remat_nn._tie import tie, zero_after
+from remat_nn.errors import NotInvertibleError
 
 __all__ = [
     "ReversibleBlock",
@@ -269,39 +270,136 @@ def _unsegment(tree: PyTree) -> PyTree:
 
 
 def _forward_layers(
-    block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree, unroll: int | bool
-):
+    block: ReversibleBlock,
+    params: PyTree,
+    consts: PyTree,
+    x: PyTree,
+    unroll: int | bool,
+    sketch: bool = False,
+) -> tuple[PyTree, PyTree, jax.Array | None]:
+    """``(y, new_consts, sketches)``: the stack's output, the layers' new constants and, if
+    ``sketch``, the :func:`remat_nn._drift.sketch` of every layer's input (``None`` otherwise)."""
+
     def step(carry, layer):
         p, c = layer
         y, new_consts = block.forward(p, c, carry)
-        return y, new_consts
+        return y, (new_consts, _drift.sketch(carry) if sketch else None)
 
-    return _named_axes.scan(step, x, (params, consts), unroll=unroll)
+    y, (new_consts, sketches) = _named_axes.scan(step, x, (params, consts), unroll=unroll)
+    return y, new_consts, sketches
 
 
-def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll: int | bool):
+class _Check(NamedTuple):
+    """The drift check of one backward scan over layers: the forward's sketch of every layer's
+    input, and for ``fallback="recompute"`` the kept value the layers start from."""
+
+    fallback: str
+    rtol: float
+    sketches: jax.Array  # (layers, k + 2)
+    start: PyTree  # the first layer's input, kept (None unless fallback="recompute")
+    offset: jax.Array | int  # the first layer's index in the whole stack
+
+
+def _block_vjp(block: ReversibleBlock, p, c, y, dy):
+    """``(x, dp, dx)``: the block's input rebuilt from ``y`` and its VJP there."""
+    if block.backward is not None:
+        return block.backward(p, c, y, dy)
+    x = block.inverse(p, c, y)
+    return (x, *_vjp_at(block, p, c, x, dy))
+
+
+def _vjp_at(block: ReversibleBlock, p, c, x, dy):
+    _, vjp = jax.vjp(lambda p_, x_: block.forward(p_, c, x_)[0], p, x)
+    return vjp(dy)
+
+
+def _recompute(block: ReversibleBlock, params, consts, start, i):
+    """The input of layer ``i`` computed forward from ``start``, the input of layer 0.
+
+    A scan over every layer of ``params`` that keeps the carry past layer ``i - 1``: a static
+    trip count, so that the recompute is reverse-differentiable (a Hessian-vector product
+    through a checked backward); a recompute costs as many block forwards as ``params`` has
+    layers (the segment of ``anchor_every``, or the whole stack).
+    """
+
+    def step(h, layer):
+        (p, c), j = layer
+        return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), block.forward(p, c, h)[0], h), None
+
+    layers = ((params, consts), jnp.arange(_depth(params, consts)))
+    return _named_axes.scan(step, start, layers)[0]
+
+
+_DRIFTED = """\
+reversible stack: the input of layer {layer}, rebuilt from its output by the block's inverse, \
+is off by {drift:.3g} of its norm (tolerance drift_rtol={rtol:g}; measured from random \
+projections kept in the forward pass), so its gradient would be wrong. The stack amplifies \
+rounding error when inverted: its activations grow or its blocks are nearly singular. Fix: \
+fallback="recompute" (the default: recompute the layer's input from the nearest kept value), \
+anchor_every=k (keep every k-th layer's input), normalized branches (LayerNorm), a wider \
+recon_dtype, or reversible=False."""
+
+
+def _raise_drifted(bad, layer, drift, rtol) -> None:
+    if bool(bad):
+        raise NotInvertibleError(_DRIFTED.format(layer=int(layer), drift=float(drift), rtol=rtol))
+
+
+def _recomputed(layer) -> None:
+    _drift.recomputed(f"reversible layer {int(layer)}")
+
+
+def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
+    """``(rebuilt, drifted)``: ``rebuilt`` (``(x, dp, dx)`` of layer ``i``) if its ``x`` passes
+    the drift check against the forward's sketch ``ref``; else, by ``check.fallback``,
+    recomputed from the kept start (``"recompute"``), an error (``"error"``) or returned as it
+    is, flagged (``"flag"``)."""
+    drift = _drift.drift(rebuilt[0], ref)
+    bad = ~(drift <= check.rtol)  # nan (a non-finite rebuilt value) fails
+    if check.fallback == "error":
+        jax.debug.callback(_raise_drifted, bad, check.offset + i, drift, check.rtol)
+    if check.fallback != "recompute":
+        return rebuilt, bad
+
+    def recompute(params, consts, start, i, layer, p, c, dy):
+        jax.debug.callback(_recomputed, layer)
+        x = _recompute(block, params, consts, start, i)
+        return (x, *_vjp_at(block, p, c, x, dy))
+
+    # p and c: the layer's own, tied as the main path's (under shard_map, of the same types).
+    args = (params, consts, check.start, i, check.offset + i, p, c, dy)
+    return _drift.when(bad, recompute, args, rebuilt), bad
+
+
+def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, check=None):
+    """``(dx, dparams, drifted)``: the reverse scan over layers; ``drifted`` is whether some
+    layer's rebuilt input failed ``check`` (``False`` without one)."""
+
     def step(carry, layer):
-        y, dy, after = carry
+        y, dy, after, drifted = carry
+        (p, c), i, ref = layer
         # This block's parameters are tied to the previous step's gradients, so its
         # reconstruction cannot start before that step's backward is done: unrolled, XLA would
         # otherwise reconstruct every block first and hold them all. (Tying the parameters, not
         # the activations: XLA fuses a tie into every consumer of the tied value, and a fused
         # tie on an activation keeps the buffers it is computed from alive, layer after layer.)
-        p, c = tie(layer, after)
-        if block.backward is not None:
-            x, dp, dx = block.backward(p, c, y, dy)
-        else:
-            x = block.inverse(p, c, y)
-            _, vjp = jax.vjp(lambda p_, x_: block.forward(p_, c, x_)[0], p, x)
-            dp, dx = vjp(dy)
+        p, c = tie((p, c), after)
+        x, dp, dx = _block_vjp(block, p, c, y, dy)
+        if check is not None:
+            rebuilt = (x, dp, dx)
+            (x, dp, dx), bad = _checked(block, params, consts, check, p, c, dy, i, ref, rebuilt)
+            drifted = drifted | bad
         dx = _cast(dx, jax.tree.map(lambda a: a.dtype, dy))
-        return (x, dx, zero_after((dp, dx), after.dtype)), dp
+        return (x, dx, zero_after((dp, dx), after.dtype), drifted), dp
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
-    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype))
-    layers = (params, consts)
-    (_, dx, _), dparams = _named_axes.scan(step, carry, layers, reverse=True, unroll=unroll)
-    return dx, dparams
+    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), jnp.zeros((), bool))
+    depth = _depth(params, consts)
+    layers = ((params, consts), jnp.arange(depth), None if check is None else check.sketches)
+    (_, dx, _, drifted), dparams = _named_axes.scan(
+        step, carry, layers, reverse=True, unroll=unroll
+    )
+    return dx, dparams, drifted
 
 
 def _validate_anchor(anchor_every: int | None, depth: int) -> int:
@@ -361,62 +459,97 @@ def _unroll(
     )
 
 
-def _make_reversible(block: ReversibleBlock, num_segments: int, unroll: int | bool) -> Callable:
+def _make_reversible(
+    block: ReversibleBlock, num_segments: int, unroll: int | bool, fallback: str, rtol: float
+) -> Callable:
     """The custom_vjp of a stack split into ``num_segments`` anchored segments."""
+    checks, keep_starts = fallback != "none", fallback == "recompute"
 
-    def forward(params, consts, x):
+    def forward(params, consts, x, checks=checks):
         if num_segments == 1:
-            y, new_consts = _forward_layers(block, params, consts, x, unroll)
-            return y, new_consts, None
+            y, new_consts, sketches = _forward_layers(block, params, consts, x, unroll, checks)
+            return y, new_consts, None, sketches
 
         def segment(carry, seg):
             seg_params, seg_consts = seg
-            y, new_consts = _forward_layers(block, seg_params, seg_consts, carry, unroll)
-            return y, (new_consts, y)
+            y, new_consts, sketches = _forward_layers(
+                block, seg_params, seg_consts, carry, unroll, checks
+            )
+            return y, (new_consts, carry, sketches)
 
         segs = (_segments(params, num_segments), _segments(consts, num_segments))
-        y, (new_consts, ends) = _named_axes.scan(segment, x, segs, unroll=unroll)
-        # ends[s] is the output of segment s (the input of segment s + 1); the last one is y.
-        anchors = jax.tree.map(lambda a: a[:-1], ends)
-        return y, _unsegment(new_consts), anchors
+        y, (new_consts, starts, sketches) = _named_axes.scan(segment, x, segs, unroll=unroll)
+        # starts[s] is the input of segment s: starts[0] is x, the others are the anchors.
+        if not keep_starts:
+            starts = jax.tree.map(lambda a: a[1:], starts)
+        return y, _unsegment(new_consts), starts, sketches
 
     axes = _named_axes.BoundAxes()
 
     @jax.custom_vjp
     def run(params, consts, x):
-        y, new_consts, _ = forward(params, consts, x)
-        return y, new_consts
+        return forward(params, consts, x, checks=False)[:2]
 
     def run_fwd(params, consts, x):
         axes.capture()
-        y, new_consts, anchors = forward(params, consts, x)
+        y, new_consts, starts, sketches = forward(params, consts, x)
         # The residuals: parameters and constants (the caller holds them anyway), the output,
-        # and num_segments - 1 anchors. Nothing per layer.
+        # num_segments - 1 anchors, and with the drift check (k + 2) floats per layer, plus the
+        # stack's input for fallback="recompute". Nothing per layer of an activation's size.
         # (Under shard_map, also the input types, for 0 bytes: see _named_axes.)
         types = _named_axes.type_witness((params, x))
-        return (y, new_consts), (params, consts, y, anchors, types)
+        if keep_starts and num_segments == 1:
+            starts = x
+        return (y, new_consts), (params, consts, y, starts, sketches, types)
 
     def run_bwd(res, cts):
-        params, consts, y, anchors, types = res
+        params, consts, y, starts, sketches, types = res
         dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
         with axes.rebound():  # a block's collectives (BatchNorm's pmean) under vmap
-            dx, dparams = backward(params, consts, y, anchors, dy)
+            dx, dparams = backward(params, consts, y, starts, sketches, dy)
         dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
         return dparams, None, dx
 
-    def backward(params, consts, y, anchors, dy):
+    def backward(params, consts, y, starts, sketches, dy):
+        if fallback != "recompute" or unroll is not True:
+            return backward_with(params, consts, y, starts, sketches, dy, fallback, unroll)[:2]
+        # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
+        # of its own (memory growing with depth): the unrolled backward only flags drift, and
+        # if a layer drifted, the backward runs again rolled, recomputing where needed.
+        dx, dparams, drifted = backward_with(params, consts, y, starts, sketches, dy, "flag", True)
+        rolled = lambda *a: backward_with(*a, "recompute", 1)[:2]  # noqa: E731
+        args = (params, consts, y, starts, sketches, dy)
+        return _drift.when(drifted, rolled, args, (dx, dparams))
+
+    def backward_with(params, consts, y, starts, sketches, dy, mode, unroll):
+        def check(sk, start, offset):
+            return _Check(mode, rtol, sk, start, offset) if checks else None
+
         if num_segments == 1:
-            return _backward_layers(block, params, consts, y, dy, unroll)
+            return _backward_layers(
+                block, params, consts, y, dy, unroll, check(sketches, starts, 0)
+            )
 
-        def segment(dy, seg):
-            p, c, end = seg
-            dx, dp = _backward_layers(block, p, c, end, dy, unroll)
-            return dx, dp
+        def segment(carry, seg):
+            dy, drifted = carry
+            p, c, end, start, sk, s = seg
+            chk = check(sk, start, s * (_depth(params, consts) // num_segments))
+            dx, dp, bad = _backward_layers(block, p, c, end, dy, unroll, chk)
+            return (dx, drifted | bad), dp
 
+        anchors = jax.tree.map(lambda a: a[1:], starts) if keep_starts else starts
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
-        segs = (_segments(params, num_segments), _segments(consts, num_segments), ends)
-        dx, dparams = _named_axes.scan(segment, dy, segs, reverse=True, unroll=unroll)
-        return dx, _unsegment(dparams)
+        segs = (
+            _segments(params, num_segments),
+            _segments(consts, num_segments),
+            ends,
+            starts if keep_starts else None,
+            sketches,
+            jnp.arange(num_segments),
+        )
+        init = (dy, jnp.zeros((), bool))
+        (dx, drifted), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
+        return dx, _unsegment(dparams), drifted
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -431,6 +564,8 @@ def reversible_scan(
     anchor_every: int | None = None,
     recon_dtype: Any = None,
     unroll: int | bool | None = None,
+    drift_rtol: float | None = None,
+    fallback: str = "recompute",
 ) -> tuple[PyTree, PyTree]:
     """Applies ``depth`` invertible blocks with a backward that reconstructs, not stores.
 
@@ -460,6 +595,20 @@ def reversible_scan(
         (default): ``True`` on CPU when the block convolves (XLA:CPU runs convolutions in a
         loop many times slower than unrolled, jax-ml/jax#12868), else ``1`` (dense blocks run no
         faster unrolled on CPU and compile longer; GPU/TPU run loops at full speed).
+      drift_rtol: the largest relative drift (2-norm error over 2-norm) a rebuilt layer input
+        may have. The forward keeps ``k + 2`` floats per layer (random projections of the
+        layer's input, :mod:`remat_nn._drift`), and the backward measures every rebuilt input
+        against them: the actual error, not a bound. ``None`` (default): 200 times the
+        stream's machine epsilon (float32: 2.4e-5; the projections' own rounding is about
+        1e-7).
+      fallback: what a layer whose rebuilt input drifted past ``drift_rtol`` gets:
+        ``"recompute"`` (default): its input is recomputed forward from the nearest kept value
+        (the stack's input, kept for this, or the anchor of its segment) and its VJP taken
+        there; the layers below are rebuilt from that exact value. Memory stays flat in depth
+        (one more kept input); time grows by the layers recomputed, at most ``anchor_every``
+        (or ``depth``) block forwards per drifted layer. ``"error"``: raise
+        :class:`remat_nn.NotInvertibleError` at run time. ``"none"``: no check (nothing
+        kept; the gradient is whatever reconstruction gives).
 
     Returns:
       ``(y, new_consts)``: the output of the last block, and the per-layer ``new_consts`` of
@@ -487,10 +636,13 @@ def reversible_scan(
         )
     depth = _depth(params, consts)
     num_segments = depth // _validate_anchor(anchor_every, depth)
+    _drift.validate("reversible_scan", fallback, drift_rtol)
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
     unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
-    y, new_consts = _make_reversible(block, num_segments, unroll)(params, consts, stream)
+    rtol = _drift.default_rtol(stream) if drift_rtol is None else float(drift_rtol)
+    run = _make_reversible(block, num_segments, unroll, fallback, rtol)
+    y, new_consts = run(params, consts, stream)
     return _cast(y, dtypes), new_consts
 
 
@@ -518,7 +670,7 @@ def plain_scan(
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
     unroll = _unroll(unroll, "plain_scan", block, params, consts, stream)
-    y, new_consts = _forward_layers(block, params, consts, stream, unroll)
+    y, new_consts, _ = _forward_layers(block, params, consts, stream, unroll)
     return _cast(y, dtypes), new_consts
 
 

@@ -178,6 +178,12 @@ class ReversibleSequence(fnn.Module):
         ``True`` on CPU if the coupling convolves, else ``1`` (the faster on each backend:
         benchmarks/results/revnet.md, "Unrolled reversible stacks"). Speed and compile time
         only: the same variables, results and stored activations.
+      drift_rtol: the largest relative drift a rebuilt layer input may have, measured in the
+        backward against random projections of the true input kept by the forward
+        (:func:`remat_nn.reversible_scan`; ``None``: 200 times the stream's epsilon).
+      fallback: a layer whose rebuilt input drifted further: ``"recompute"`` (default) its input
+        from the nearest kept value (the stack's input or an anchor), ``"error"`` raise
+        :class:`remat_nn.NotInvertibleError`, ``"none"`` no check.
 
     >>> import jax, jax.numpy as jnp, flax.linen as fnn, remat_nn as rn
     >>> from remat_nn import nn
@@ -207,6 +213,8 @@ class ReversibleSequence(fnn.Module):
     reversible: bool = True
     rng_names: Sequence[str] = ("dropout",)
     unroll: int | bool | None = None
+    drift_rtol: float | None = None
+    fallback: str = "recompute"
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -295,6 +303,8 @@ class ReversibleSequence(fnn.Module):
                     anchor_every=self.anchor_every,
                     recon_dtype=self.recon_dtype,
                     unroll=self.unroll,
+                    drift_rtol=self.drift_rtol,
+                    fallback=self.fallback,
                 )
             else:
                 out, new_consts = plain_scan(

@@ -93,6 +93,8 @@ class ReversibleSequence(nnx.Module):
       reversible: ``False``: the same network (same variables, keys, results) with plain
         autodiff through the scan, storing every layer's activations.
       unroll: ``unroll`` of the scans over layers, see :func:`remat_nn.reversible_scan`.
+      drift_rtol, fallback: the backward's measured drift check and what a drifted layer gets
+        (``"recompute"``, ``"error"``, ``"none"``), see :func:`remat_nn.reversible_scan`.
 
     Inputs and outputs are a pair ``(x1, x2)`` or one array split on (and merged back on) its
     last axis. Keyword arguments of ``__call__`` (e.g. ``train=True``) must be static Python
@@ -131,6 +133,8 @@ class ReversibleSequence(nnx.Module):
         recon_dtype: Any = None,
         reversible: bool = True,
         unroll: int | bool | None = None,
+        drift_rtol: float | None = None,
+        fallback: str = "recompute",
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(
@@ -167,6 +171,8 @@ class ReversibleSequence(nnx.Module):
         self.recon_dtype = recon_dtype
         self.reversible = reversible
         self.unroll = unroll
+        self.drift_rtol = drift_rtol
+        self.fallback = fallback
 
     def _run(self, x: Any, kwargs: dict[str, Any], *, inverse: bool) -> Any:
         for key, value in kwargs.items():
@@ -189,7 +195,14 @@ class ReversibleSequence(nnx.Module):
         else:
             if self.reversible:
                 out, new = reversible_scan(
-                    block, params, pair, consts, anchor_every=self.anchor_every, **common
+                    block,
+                    params,
+                    pair,
+                    consts,
+                    anchor_every=self.anchor_every,
+                    drift_rtol=self.drift_rtol,
+                    fallback=self.fallback,
+                    **common,
                 )
             else:
                 out, new = plain_scan(block, params, pair, consts, **common)

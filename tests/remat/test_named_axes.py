@@ -271,6 +271,9 @@ PATHS: dict[str, Callable[[], Case]] = {
     "reversible_rolled": lambda: _reversible(unroll=1),
     "reversible_unrolled": lambda: _reversible(unroll=True),
     "reversible_anchored": lambda: _reversible(anchor_every=2),
+    # every layer's rebuilt input fails the drift check: the recompute branch on every layer
+    "reversible_recomputed": lambda: _reversible(anchor_every=2, drift_rtol=1e-30),
+    "reversible_recomputed_unrolled": lambda: _reversible(unroll=True, drift_rtol=1e-30),
     "nn_reversible_bn": _nn_reversible,
     "nnx_reversible_bn": _nnx_reversible,
     "invertible": _invertible,
@@ -401,6 +404,8 @@ SECOND_ORDER = {
     "reversible_rolled",
     "reversible_unrolled",
     "reversible_anchored",
+    "reversible_recomputed",
+    "reversible_recomputed_unrolled",
     "invertible",
     "custom_ivjp",
 }
@@ -428,6 +433,8 @@ SUITE = {
     "remat_scan_3": {"jit", "shard_map", "shard_map_2d"},
     "reversible_unrolled": {"jit", "shard_map", "shard_map_2d"},
     "reversible_anchored": {"jit", "shard_map", "shard_map_2d", "vmap_sum"},
+    "reversible_recomputed": {"jit", "vmap", "shard_map", "grad_of_grad"},
+    "reversible_recomputed_unrolled": {"jit", "vmap_sum", "shard_map_2d", "grad_of_grad"},
 }
 
 

@@ -1,0 +1,269 @@
+"""Measured reconstruction drift: a few random projections of a value, kept in the forward pass.
+
+A backward pass that rebuilds an activation instead of storing it (a reversible stack, the fused
+update's inverse) can check the rebuilt value against the true one without storing it: the
+forward keeps a *sketch* of the value, ``k`` random ±1 projections of its elements (``k`` floats,
+:data:`NUM_PROJECTIONS`), and the backward computes the same projections of the rebuilt value.
+For a Rademacher vector ``w``, ``E[(w·e)^2] = |e|^2``, so the root mean square of the ``k``
+differences estimates the 2-norm of the rebuilt value's error (Johnson-Lindenstrauss; with
+``k = 8`` the estimate lies within a factor 3 of the true norm with probability above 0.99).
+Divided by the value's 2-norm it is the relative drift the check compares with its tolerance:
+the actual error, measured, not a bound propagated through every layer.
+
+The projection weights are a hash of each element's index (``iota`` and integer arithmetic that
+XLA fuses into the reduction), so nothing of the value's size is stored or materialized. The
+sketch is taken of the value divided by its max |value| (kept with the sketch), so it neither
+overflows nor underflows for any finite float32 value; a rebuilt value that is not finite has a
+drift of ``nan``, which fails every check.
+
+Floor: the sketch of the same value computed in two compiled programs differs by the rounding
+of a sum of ``n`` terms, at most about ``eps * sqrt(n)`` relative and in practice about ``eps``
+(measured for float32 on CPU, ``n`` from 2^11 to 2^22: 6e-8 to 1.8e-7). Sketches of float64
+values are computed in float64. A value rebuilt in 16-bit floats has a floor of that format's
+``eps``. The default tolerance (:func:`default_rtol`) sits far above
+the floor: ``EPS_MULTIPLE`` (200) times the rebuilt value's machine epsilon.
+``recon_dtype=jnp.float32`` keeps a 16-bit stack's reconstruction in float32.
+
+Cost, per checked value: ``k + 2`` float32 numbers kept, and ``2 k`` flops plus one integer
+hash per element in each pass (measured on the benchmarks: ``benchmarks/results/revnet.md``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from remat_nn import _named_axes
+
+__all__ = [
+    "EPS_MULTIPLE",
+    "FALLBACKS",
+    "NUM_PROJECTIONS",
+    "default_rtol",
+    "drift",
+    "drift_recomputes",
+    "recomputed",
+    "sketch",
+    "validate",
+    "when",
+]
+
+PyTree = Any
+
+NUM_PROJECTIONS = 8
+#: The default tolerance, in units of the rebuilt value's machine epsilon: float32 2.4e-5.
+EPS_MULTIPLE = 200
+#: The name scope of the projections' equations (``train.dtypes`` leaves their float32
+#: matmuls out of its count of the model's matmuls).
+SCOPE = "drift_projections"
+FALLBACKS = ("recompute", "error", "none")
+
+
+#: How many times each checked value (by its label, e.g. ``"reversible layer 7"``) was
+#: recomputed in this process (:func:`remat_nn.drift_recomputes` reads it).
+RECOMPUTED: collections.Counter[str] = collections.Counter()
+_LOGGED: list[str] = []  # the first recompute logged in this process
+logger = logging.getLogger("remat_nn")
+
+
+def drift_recomputes(*, reset: bool = False) -> dict[str, int]:
+    """How many times each rebuilt value was recomputed by ``fallback="recompute"`` in this
+    process, by label (``"reversible layer 7"``: layer 7 of a reversible stack, counted over
+    every stack). Counted by a host callback when the recompute runs (after the computation
+    that ran it is done: ``jax.block_until_ready`` the gradients first).
+
+    Args:
+      reset: clear the counts after reading them.
+
+    >>> import remat_nn as rn
+    >>> rn.drift_recomputes(reset=True)  # nothing drifted yet in this process
+    {}
+    """
+    counts = dict(RECOMPUTED)
+    if reset:
+        RECOMPUTED.clear()
+    return counts
+
+
+def recomputed(label: str) -> None:
+    """Counts a fallback recompute of ``label`` and logs it once per process (a host callback's
+    target: a callback must not raise, and Python's warnings may be set to raise)."""
+    RECOMPUTED[label] += 1
+    if not _LOGGED:
+        _LOGGED.append(label)
+        logger.warning(
+            "remat_nn: %s: its input, rebuilt by the backward pass, drifted past drift_rtol "
+            "and was recomputed from the nearest kept value: the gradient is right, the step "
+            "slower. rn.drift_recomputes() counts every recompute (this is logged once); "
+            "anchor_every=k, normalized branches or a wider recon_dtype make the drift smaller.",
+            label,
+        )
+
+
+def _dtype(tree: PyTree) -> Any:
+    """The dtype sketches of ``tree`` are computed and kept in: float32, or float64 for a
+    float64 value (a float32 sketch's rounding would be far above a float64 value's drift)."""
+    return jnp.result_type(jnp.float32, *(jnp.result_type(a) for a in jax.tree.leaves(tree)))
+
+
+def default_rtol(tree: PyTree) -> float:
+    """:data:`EPS_MULTIPLE` times the machine epsilon of ``tree``'s widest float dtype (float32:
+    2.4e-5, float64: 4.4e-14, bfloat16: capped at 0.1)."""
+    dtypes = [jnp.result_type(a) for a in jax.tree.leaves(tree)]
+    eps = max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.floating))
+    return min(EPS_MULTIPLE * eps, 0.1)
+
+
+def _signs(shape: tuple[int, int], salt: int, dtype: Any) -> jax.Array:
+    """``shape`` ±1 of ``dtype``: a hash of each element's flat index and of ``salt``."""
+    idx = jax.lax.iota(jnp.uint32, shape[0] * shape[1]).reshape(shape)
+    h = idx * jnp.uint32(0x9E3779B1) + jnp.uint32((salt * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)
+    h = (h ^ (h >> 12)) * jnp.uint32(0x297A2D39)
+    return 1 - 2 * ((h ^ (h >> 15)) >> 31).astype(dtype)
+
+
+def _grid(size: int) -> tuple[int, int]:
+    """``(rows, cols)`` with ``rows * cols == size`` and ``cols`` the divisor nearest below
+    ``sqrt(size)``: the sign matrices below then hold about ``2 k sqrt(size)`` numbers."""
+    cols = max(1, math.isqrt(size))
+    while size % cols:
+        cols -= 1
+    return size // cols, cols
+
+
+def _projections(tree: PyTree, scale: jax.Array) -> jax.Array:
+    """``(k,)``: ``k`` random ±1 projections of ``tree / scale``.
+
+    Each leaf is viewed as a ``(rows, cols)`` matrix ``X`` (a free reshape) and projection ``j``
+    is ``sum(R[:, j] * (X @ C)[:, j])`` with ``R`` ``(rows, k)`` and ``C`` ``(cols, k)`` hashed
+    signs: a sum of every element times the sign ``R[m, j] C[c, j]``, whose products are
+    pairwise independent, so ``E[projection^2] = |X|^2`` as for a dense sign matrix, while
+    only ``O(k sqrt(n))`` numbers are made (a value-sized sign array, or a value-sized copy of
+    ``X``, is never materialized, whatever XLA fuses).
+    """
+    k = NUM_PROJECTIONS
+    out = jnp.zeros((k,), scale.dtype)
+    with jax.named_scope(SCOPE):
+        out = _project_leaves(tree, out, k)
+    return out / scale
+
+
+def _project_leaves(tree: PyTree, out: jax.Array, k: int) -> jax.Array:
+    for salt, leaf in enumerate(jax.tree.leaves(tree)):
+        rows, cols = _grid(leaf.size)
+        x = leaf.reshape(rows, cols)
+        dtype = jnp.promote_types(leaf.dtype, out.dtype)
+        left = _signs((cols, k), 2 * salt, leaf.dtype)  # ±1: exact in every float dtype
+        t = jnp.matmul(x, left, preferred_element_type=dtype)  # (rows, k)
+        out = out + jnp.sum(_signs((rows, k), 2 * salt + 1, dtype) * t, axis=0)
+    return out
+
+
+def sketch(tree: PyTree) -> jax.Array:
+    """``(k + 2,)``: ``[max|value|, |value / max| (2-norm), k projections of value / max]``.
+
+    ``tree``'s float leaves are taken as one vector; a tree of zeros has scale 1. Float32, or
+    float64 for a float64 value.
+    """
+    leaves, dtype = jax.tree.leaves(tree), _dtype(tree)
+    big = jnp.max(jnp.stack([jnp.max(jnp.abs(a.astype(dtype))) for a in leaves]))
+    scale = jnp.where(big > 0, big, jnp.ones((), dtype))
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(dtype) / scale)) for a in leaves))
+    return jnp.concatenate([jnp.stack([scale, norm]), _projections(tree, scale)])
+
+
+def drift(tree: PyTree, reference: jax.Array) -> jax.Array:
+    """The relative 2-norm error of ``tree`` against the value whose :func:`sketch` is
+    ``reference``, estimated from the projections: a float32 scalar, ``nan`` if ``tree`` is not
+    finite, ``inf`` if the reference value was all zeros and ``tree`` is not."""
+    scale, norm, proj = reference[0], reference[1], reference[2:]
+    diff = _projections(tree, scale) - proj
+    err = jnp.sqrt(jnp.mean(jnp.square(diff)))
+    return jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), jnp.where(err > 0, jnp.inf, 0))
+
+
+def validate(fn: str, fallback: Any, rtol: Any) -> None:
+    """Refuses a ``fallback`` / ``drift_rtol`` pair that is not one of the documented values."""
+    if fallback not in FALLBACKS:
+        raise ValueError(
+            f"{fn}: `fallback` must be one of {FALLBACKS}, got {fallback!r}. Fix: "
+            'fallback="recompute" (a block whose rebuilt input drifted is recomputed from the '
+            'nearest kept value), "error" (raise instead) or "none" (no check).'
+        )
+    if rtol is None:
+        return
+    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not rtol > 0:
+        raise ValueError(
+            f"{fn}: `drift_rtol` must be a positive number or None, got {rtol!r}. Fix: "
+            f"drift_rtol=None (the default: {EPS_MULTIPLE} times the stream's machine epsilon, "
+            "float32 2.4e-5) or e.g. drift_rtol=1e-4 (relative 2-norm drift of a rebuilt value)."
+        )
+
+
+def when(pred: jax.Array, fn: Callable[..., PyTree], args: tuple, default: PyTree) -> PyTree:
+    """``fn(*args)`` where the boolean scalar ``pred`` holds, else ``default``; ``fn`` runs
+    only then.
+
+    A ``lax.while_loop`` run zero or one times rather than a ``lax.cond``: under ``jax.vmap`` a
+    batched ``cond`` becomes a ``select`` that runs ``fn`` for every element, while a batched
+    loop runs ``fn`` only if some element's ``pred`` holds (and keeps ``default`` for the
+    others). Under ``shard_map`` every device runs ``fn`` if one does (``fn`` may hold
+    collectives). ``fn`` must return values of ``default``'s types. Reverse-differentiable
+    (a ``while_loop`` is not: the VJP is the same branch over ``fn``'s VJP), so a
+    Hessian-vector product through a checked backward works.
+    """
+    runs = pred.astype(jnp.int32)
+    axes = tuple(sorted(_named_axes.varying(runs)))
+    if axes:
+        runs = jax.lax.pmax(runs, axes)
+    converted, hoisted = jax.closure_convert(fn, *args)
+    return _when(converted, runs, tuple(args), tuple(hoisted), default)
+
+
+def _loop(runs: jax.Array, fn: Callable[[], PyTree], default: PyTree) -> PyTree:
+    def body(state: tuple[jax.Array, PyTree]) -> tuple[jax.Array, PyTree]:
+        out = jax.tree.map(lambda a, d: a.astype(d.dtype), fn(), state[1])
+        return state[0] + 1, out
+
+    init = _named_axes.stable_carry(body, (jnp.int32(0), default))
+    return jax.lax.while_loop(lambda state: state[0] < runs, body, init)[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _when(fn: Callable[..., PyTree], runs, args, hoisted, default):
+    return _loop(runs, lambda: fn(*args, *hoisted), default)
+
+
+def _when_fwd(fn, runs, args, hoisted, default):
+    return _when(fn, runs, args, hoisted, default), (runs, args, hoisted)
+
+
+def _when_bwd(fn, res, ct):
+    runs, args, hoisted = res
+    leaves, treedef = jax.tree.flatten((args, hoisted))
+    inexact = [jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in leaves]
+
+    def call(*diff: Any) -> PyTree:
+        it = iter(diff)
+        full = [next(it) if d else a for a, d in zip(leaves, inexact, strict=True)]
+        a, h = jax.tree.unflatten(treedef, full)
+        return fn(*a, *h)
+
+    diff = [a for a, d in zip(leaves, inexact, strict=True) if d]
+    pull = lambda: jax.vjp(call, *diff)[1](ct)  # noqa: E731
+    dleaves = iter(_loop(runs, pull, tuple(jnp.zeros_like(a) for a in diff)))
+    cts = [next(dleaves) if d else None for d in inexact]
+    dargs, dhoisted = jax.tree.unflatten(treedef, cts)
+    ddefault = jax.tree.map(lambda c: jnp.where(runs > 0, jnp.zeros_like(c), c), ct)
+    return None, dargs, dhoisted, ddefault
+
+
+_when.defvjp(_when_fwd, _when_bwd)
