@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from remat_nn import _named_axes
+from remat_nn import _drift, _named_axes
 from remat_nn._fused_update import (
     _backward_update,
     _check_element_wise,
     _clipped,
     _Inputs,
     _Layout,
+    _read,
     _segments,
     _split,
     _squared_norm,
@@ -34,6 +35,7 @@ from remat_nn._fused_update import (
     _update_rest,
     check_clip_norm,
     check_save_every,
+    drift_check,
 )
 from remat_nn._tie import tie, zero_after
 
@@ -66,6 +68,9 @@ class FusedStage:
         Per stage: ``k ~ sqrt(depth)`` holds ``ceil(depth / k) + k`` inputs instead of
         ``depth``. Not with ``inverse`` or ``backward`` (a rebuilt stack saves no inputs).
         None: every layer's input is saved.
+      drift_rtol, fallback: with ``inverse`` / ``backward``, the measured drift check of every
+        rebuilt layer input and what a drifted one gets (``"recompute"`` from the stack's
+        input, ``"error"``, ``"none"``), as :func:`remat_nn.fused_update_step`'s.
     """
 
     key: str
@@ -74,6 +79,8 @@ class FusedStage:
     inverse: Callable[[Any, Any, Any], Any] | None = None
     backward: Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]] | None = None
     save_every: int | None = None
+    drift_rtol: float | None = None
+    fallback: str = "recompute"
 
 
 def fused_update_stages(
@@ -207,6 +214,7 @@ def _check_stages(stages: tuple[Any, ...], clip_norm: Any) -> tuple[str, ...]:
         )
     for s in stages:
         check_save_every(s.save_every, f"fused_update_stages: stage {s.key!r}")
+        _drift.validate(f"fused_update_stages: stage {s.key!r}", s.fallback, s.drift_rtol)
     rebuilt = [
         s.key
         for s in stages
@@ -307,14 +315,21 @@ def _stack_forward(stage: FusedStage, stack: Any, consts: Any, h0: Any) -> tuple
     if stage.save_every is not None:
         return _segments(stage.layer, h0, stack, stage.save_every, consts)
     rebuilds = stage.inverse is not None or stage.backward is not None
+    sketch = rebuilds and stage.fallback != "none"
 
     def forward(h: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:
         y, new_const = stage.layer(*xs, h)
-        return y, (None if rebuilds else h, new_const)
+        return y, (_drift.sketch(h) if sketch else None if rebuilds else h, new_const)
 
     h_last, (inputs, new_consts) = _named_axes.scan(forward, h0, (stack, consts))
-    source = _Inputs(inputs, h_last if rebuilds else None, stage.inverse, stage.backward)
-    return h_last, source, new_consts
+    if not rebuilds:
+        return h_last, _Inputs(inputs, None, None, None), new_consts
+
+    def rerun(stack: Any, j: Any, h: Any) -> Any:  # layer j as the forward ran it
+        return stage.layer(_read(stack, j), _read(consts, j), h)[0]
+
+    check = drift_check(stage.fallback, stage.drift_rtol, inputs, h0, rerun) if sketch else None
+    return h_last, _Inputs(None, h_last, stage.inverse, stage.backward, check), new_consts
 
 
 def _walk(

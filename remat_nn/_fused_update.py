@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from remat_nn import _named_axes
-from remat_nn.errors import RematNNError
+from remat_nn import _drift, _named_axes
+from remat_nn.errors import NotInvertibleError, RematNNError
 
 if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
     import optax
@@ -67,6 +67,8 @@ def fused_update_step(
     backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None,
     save_every: int | None = None,
     clip_norm: float | None = None,
+    drift_rtol: float | None = None,
+    fallback: str = "recompute",
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -120,6 +122,12 @@ def fused_update_step(
         and the second scales each layer's gradient before its update: one more backward pass
         (with its recomputation), no gradient stack. The returned ``grad_norm`` is the norm
         before clipping.
+      drift_rtol, fallback: with ``inverse_fn`` / ``backward_fn``, every rebuilt layer input is
+        measured against random projections the forward keeps of it (10 floats per layer), as
+        in :func:`remat_nn.reversible_scan`: a layer whose input drifted past ``drift_rtol``
+        (``None``: 200 times the input's machine epsilon) is recomputed forward from the
+        stack's input (kept for this) and its VJP taken there (``"recompute"``, default), or
+        raises ``NotInvertibleError`` (``"error"``); ``"none"`` checks nothing.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -143,6 +151,7 @@ def fused_update_step(
     (3, 4, 4)
     """
     _check_options(inverse_fn, backward_fn, save_every, clip_norm)
+    _drift.validate("fused_update_step", fallback, drift_rtol)
     layout = _Layout(stack_key)
     checked: list[bool] = []
 
@@ -158,7 +167,8 @@ def fused_update_step(
         if save_every is not None:
             h_last, source, _ = _segments(layer_fn, h0, stack, save_every)
         else:
-            h_last, source = _forward(layer_fn, h0, stack, inverse_fn, backward_fn)
+            rebuild = (inverse_fn, backward_fn, fallback, drift_rtol)
+            h_last, source = _forward(layer_fn, h0, stack, *rebuild)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
                 lambda r, h: head_fn(r, h, batch), rest, h_last, has_aux=True
@@ -343,9 +353,11 @@ class _Inputs:
         carry: Any,
         inverse_fn: Callable[..., Any] | None,
         backward_fn: Callable[..., tuple[Any, Any, Any]] | None,
+        check: DriftCheck | None = None,
     ):
         self.saved, self.carry = saved, carry
         self.inverse_fn, self.backward_fn = inverse_fn, backward_fn
+        self.check = check
 
     def bound(self, const: Any) -> _Inputs:
         """These inputs for layer functions that also take a layer's state, given ``const``."""
@@ -355,6 +367,7 @@ class _Inputs:
             self.carry,
             None if inverse is None else lambda p, y: inverse(p, const, y),
             None if backward is None else lambda p, y, dy: backward(p, const, y, dy),
+            self.check,
         )
 
     def input(self, stack: Any, layer: Any, carry: Any, i: jax.Array) -> tuple[Any, Any]:
@@ -375,6 +388,10 @@ class _Inputs:
         i: jax.Array,
     ) -> tuple[Any, Any, Any]:
         """``(layer i's gradient, its input's cotangent, the carry for layer i - 1)``."""
+        if self.check is not None:
+            rebuilt = _Inputs(self.saved, self.carry, self.inverse_fn, self.backward_fn)
+            out = rebuilt.vjp(layer_fn, stack, layer, carry, dh, i)
+            return self.check.verify(layer_fn, stack, layer, dh, i, out)
         if self.backward_fn is not None:
             h, grad, dh = self.backward_fn(layer, carry, dh)
             return grad, dh, h
@@ -388,6 +405,61 @@ class _Inputs:
         dh, layer_vjp = _named_axes.optimization_barrier((dh, layer_vjp))
         grad, dh = layer_vjp(dh)
         return grad, dh, carry
+
+
+def _recomputed(layer: Any) -> None:
+    _drift.recomputed(f"fused update layer {int(layer)}")
+
+
+def _raise_drifted(bad: Any, layer: Any, drift: Any, rtol: float) -> None:
+    if bool(bad):
+        raise NotInvertibleError(
+            f"fused_update_step: the input of layer {int(layer)}, rebuilt from its output, is "
+            f"off by {float(drift):.3g} of its norm (drift_rtol={rtol:g}), so its gradient and "
+            'update would be wrong. Fix: fallback="recompute" (the default), normalized layers, '
+            "or no inverse_fn / backward_fn (the forward then saves every input)."
+        )
+
+
+class DriftCheck:
+    """The measured drift check of a rebuilt stack: the forward's sketch of every layer's
+    input (``(L, k + 2)``, :mod:`remat_nn._drift`), the stack's input ``start`` (kept for
+    recomputes), ``rerun(stack, j, h)``: layer ``j`` on ``h`` as the forward ran it."""
+
+    def __init__(self, sketches: Any, start: Any, rerun: Callable, fallback: str, rtol: float):
+        self.sketches, self.start, self.rerun = sketches, start, rerun
+        self.fallback, self.rtol = fallback, rtol
+
+    def verify(self, layer_fn, stack, layer, dy, i, rebuilt):
+        """``rebuilt`` = ``(grad, dh, h)`` of layer ``i`` if its input ``h`` passes; else
+        recomputed from ``start`` (its VJP taken there), or an error."""
+        drift = _drift.drift(rebuilt[2], _read(self.sketches, i))
+        bad = ~(drift <= self.rtol)
+        if self.fallback == "error":
+            jax.debug.callback(_raise_drifted, bad, i, drift, self.rtol)
+            return rebuilt
+
+        def recompute(stack, layer, dy, i, start):
+            jax.debug.callback(_recomputed, i)
+
+            def step(h, j):
+                return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), self.rerun(stack, j, h), h)
+
+            h = _named_axes.scan(lambda h, j: (step(h, j), None), start, jnp.arange(_depth(stack)))
+            grad, dh = jax.vjp(layer_fn, layer, h[0])[1](dy)
+            return grad, dh, h[0]
+
+        return _drift.when(bad, recompute, (stack, layer, dy, i, self.start), rebuilt)
+
+
+def drift_check(
+    fallback: str, rtol: float | None, sketches: Any, start: Any, rerun: Callable
+) -> DriftCheck | None:
+    """The :class:`DriftCheck` of a rebuilt stack, or None for ``fallback="none"``."""
+    if fallback == "none":
+        return None
+    rtol = _drift.default_rtol(start) if rtol is None else float(rtol)
+    return DriftCheck(sketches, start, rerun, fallback, rtol)
 
 
 class _Segments(_Inputs):
@@ -630,15 +702,24 @@ def _forward(
     stack: Any,
     inverse_fn: Callable[[Any, Any], Any] | None,
     backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None,
+    fallback: str = "none",
+    drift_rtol: float | None = None,
 ) -> tuple[Any, _Inputs]:
-    """The forward scan, saving every layer's input unless the backward rebuilds them."""
+    """The forward scan, saving every layer's input unless the backward rebuilds them (then a
+    sketch of each, for the drift check)."""
     rebuilds = inverse_fn is not None or backward_fn is not None
+    sketch = rebuilds and fallback != "none"
 
     def forward(h: Any, layer: Any) -> tuple[Any, Any]:
-        return layer_fn(layer, h), (None if rebuilds else h)
+        kept = _drift.sketch(h) if sketch else None
+        return layer_fn(layer, h), (kept if rebuilds else h)
 
     h_last, inputs = _named_axes.scan(forward, h0, stack)  # inputs: (L, *h.shape)
-    return h_last, _Inputs(inputs, h_last if rebuilds else None, inverse_fn, backward_fn)
+    if not rebuilds:
+        return h_last, _Inputs(inputs, None, None, None)
+    rerun = lambda stack, j, h: layer_fn(_read(stack, j), h)  # noqa: E731
+    check = drift_check(fallback, drift_rtol, inputs, h0, rerun) if sketch else None
+    return h_last, _Inputs(None, h_last, inverse_fn, backward_fn, check)
 
 
 def _reverse_over_layers(body: Callable[[Any, jax.Array], Any], init: Any, stack: Any) -> Any:

@@ -314,6 +314,67 @@ def test_reversible_stack_equals_two_phase_step_float64(name, rebuilt):
         assert err <= 1e-6
 
 
+@pytest.mark.parametrize("rebuilt", sorted(REBUILT))
+def test_every_rebuilt_input_recomputed_equals_two_phase_step_float64(rebuilt):
+    # drift_rtol=1e-30: every layer's rebuilt input fails the drift check and is recomputed from
+    # the stack's input, so every step runs the recompute branch.
+    with jax.enable_x64(True):
+        tx = optax.adam(1e-2)
+        params, x = make_reversible(jnp.float64)
+        kw = {rebuilt: REBUILT[rebuilt], "drift_rtol": 1e-30}
+        fused = rn.fused_update_step(split_embed, coupling, merged_head, tx, **kw)
+
+        def two(params, opt_state, x):
+            loss, grads = jax.value_and_grad(reversible_loss)(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        rn.drift_recomputes(reset=True)
+        got = run(fused, params, tx.init(params), x, 3)
+        want = run(two, params, tx.init(params), x, 3)
+        assert float(rn.relative_error(got, want)) <= 1e-6
+        # (a layer whose input happens to be rebuilt bit for bit passes even 1e-30)
+        assert len(rn.drift_recomputes()) >= L // 2
+
+
+def linear_coupling(w, h):  # no tanh: the activations grow layer after layer
+    x1, x2 = h
+    y1 = x1 + x2 @ w["f"]
+    return y1, x2 + y1 @ w["g"]
+
+
+def linear_uncoupling(w, y):
+    y1, y2 = y
+    x2 = y2 - y1 @ w["g"]
+    return y1 - x2 @ w["f"], x2
+
+
+def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
+    tx = optax.sgd(1.0)  # the update is the gradient
+    params, x = make_reversible(jnp.float32, length=24)
+    params = (jax.tree.map(lambda w: 2.0 * w, params[0]), params[1])
+
+    def loss(params, x):
+        stack, rest = params
+        h, _ = jax.lax.scan(lambda h, w: (linear_coupling(w, h), None), split_embed(rest, x), stack)
+        return merged_head(rest, h, x)
+
+    def update(**kw):
+        fn = rn.fused_update_step(split_embed, linear_coupling, merged_head, tx, **kw)
+        new = jax.jit(fn)(params, tx.init(params), x)[0]
+        return jax.tree.map(jnp.subtract, params, new)
+
+    grads = {f: update(inverse_fn=linear_uncoupling, fallback=f) for f in ("none", "recompute")}
+    with jax.enable_x64(True):
+        f64 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float64), t)  # noqa: E731
+        exact = jax.grad(loss)(f64(params), f64(x))
+    own = float(rn.relative_error(jax.grad(loss)(params, x), exact))
+    err = {f: float(rn.relative_error(g, exact)) for f, g in grads.items()}
+    print(f"float32 vs float64: plain autodiff {own:.3g}, rebuilt {err}")
+    assert err["none"] > 1000 * own  # reconstruction alone: the drift is the gradient's error
+    assert err["recompute"] < 100 * own
+
+
 def test_reversible_stack_temp_does_not_grow_with_depth():
     """Saved inputs cost one activation per layer; rebuilt inputs cost nothing per layer."""
     tx = optax.adam(1e-3)
