@@ -396,7 +396,8 @@ def invertible(
     Args:
       fun: the function to invert, mapping arrays (pytrees) to arrays. Its path from inputs
         to outputs should use invertible primitives (add, sub, mul/div by a known value,
-        exp/log, reshape, concatenate/split, ..., ``scan`` of an invertible body, ``custom_ivjp``
+        exp/log, reshape, concatenate/split, slices that together hold each element of their
+        operand once (``x[:, :8], x[:, 8:]``), ..., ``scan`` of an invertible body, ``custom_ivjp``
         functions, or ones added with ``rn.register_inverse``); side computations (``F(x2)``)
         may use anything. What cannot be inverted is recomputed from kept inputs.
       fallback: how to treat inversions that floating point can break (division by a known

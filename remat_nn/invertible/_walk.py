@@ -34,6 +34,7 @@ from remat_nn.invertible._equation_rules import (
     IVJPRule,
     combine_codes,
     ivjp_fun,
+    outputs_read,
     rule_for,
 )
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
@@ -146,7 +147,7 @@ def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> Wal
         eqn = eqns[d.eqn]
         if d.kind == "forward":
             return [a for a in eqn.invars if is_var(a)]
-        return [v for v in eqn.outvars if is_var(v)] + [
+        return [v for v in _reads(analysis, d.eqn) if is_var(v)] + [
             a for p, a in enumerate(eqn.invars) if is_var(a) and p not in d.unknown
         ]
 
@@ -196,20 +197,32 @@ def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> Wal
             if v in analysis.touching or v in jaxpr.outvars:
                 ensure(v)
 
+    _set_frees(analysis, steps)
+    return WalkSchedule(analysis, steps)
+
+
+def _reads(analysis: Walkable, i: int) -> tuple:
+    """What inverting equation ``i`` reads besides its known operands (see ``outputs_read``)."""
+    rule, eqn = analysis.rules[i], analysis.eqns[i]
+    return tuple(eqn.outvars) if rule is None else outputs_read(rule, eqn)
+
+
+def _set_frees(analysis: Walkable, steps: list[Step]) -> None:
+    """Sets each step's ``free``: the values (not inputs) no later step reads or writes."""
     last: dict[Any, int] = {}
     for k, step in enumerate(steps):
-        eqn = eqns[step.eqn]
-        for a in (*eqn.invars, *eqn.outvars):
+        eqn = analysis.eqns[step.eqn]
+        inverts = step.action in ("inverse", "fused")
+        for a in (*eqn.invars, *eqn.outvars, *(_reads(analysis, step.eqn) if inverts else ())):
             if is_var(a):
                 last[a] = k
-    keep = set(jaxpr.invars)
+    keep = set(analysis.jaxpr.invars)
     frees: list[list] = [[] for _ in steps]
     for v, k in last.items():
         if v not in keep:
             frees[k].append(v)
     for step, free in zip(steps, frees, strict=True):
         step.free = tuple(free)
-    return WalkSchedule(analysis, steps)
 
 
 def _tie(env: dict, vs: list, code: Any) -> Any:
@@ -254,16 +267,16 @@ class _State:
     ct: dict
     code: Any = None
 
-    def known_errs(self, eqn, unknown) -> Errors | None:
-        """The errors an inverse rule gets: of its known operands and outputs (None if no
-        value here can carry one)."""
+    def known_errs(self, eqn, unknown, reads) -> Errors | None:
+        """The errors an inverse rule gets: of its known operands and of what it reads (its
+        outputs; None if no value here can carry one)."""
         if not (self.analysis.checked or self.err):
             return None
         ins = [
             None if p in unknown or not is_var(a) else self.err.get(a)
             for p, a in enumerate(eqn.invars)
         ]
-        return ins, [self.err.get(v) if is_var(v) else None for v in eqn.outvars]
+        return ins, [self.err.get(v) if is_var(v) else None for v in reads]
 
     def carry(self, v, e) -> None:
         """Records ``v``'s error, computed at this step (the value depends on it)."""
@@ -284,13 +297,15 @@ class _State:
     def inverse(self, step: Step, eqn, fused: bool) -> None:
         d, env = step.derivation, self.env
         assert d is not None  # an inverse step has its derivation
-        ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
-        outs = [env[v] for v in eqn.outvars]
-        couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
         rule = self.analysis.rules[step.eqn]
         assert rule is not None and d.assessment is not None  # an inverse step has both
+        ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
+        reads = outputs_read(rule, eqn)
+        outs = [env[v] for v in reads]
+        couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
+        errs = self.known_errs(eqn, d.unknown, reads)
         rebuilt, in_cts, result, new_errs = rule.run(
-            eqn, d.assessment, ins, outs, couts, execute, self.known_errs(eqn, d.unknown)
+            eqn, d.assessment, ins, outs, couts, execute, errs
         )
         fresh = [p for p in d.unknown if eqn.invars[p] not in env]
         for p in d.unknown:
