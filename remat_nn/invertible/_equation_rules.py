@@ -29,6 +29,7 @@ from remat_nn._jax_internals import (
     jit_p,
     remat_p,
     scan_p,
+    sub_jaxprs,
 )
 from remat_nn.invertible import _errors, _primitive_rules, _tiling
 from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
@@ -545,6 +546,19 @@ def ivjp_fun(eqn: core.JaxprEqn) -> Any:
 
 def ivjp_num_consts(eqn: core.JaxprEqn) -> int:
     return eqn.params.get("num_consts", 0) if eqn.primitive is custom_vjp_call_p else 0
+
+
+def verify_custom_rules(jaxpr: core.Jaxpr) -> None:
+    """Checks the rule of every ``custom_ivjp`` call in ``jaxpr`` (bodies included) once per
+    input signature, at random inputs (``_IVJPBwd.verify``): the walk trusts these rules."""
+    for eqn in jaxpr.eqns:
+        bwd = ivjp_bwd(eqn)
+        if bwd is not None:
+            ins = eqn.invars[ivjp_num_consts(eqn) :]
+            bwd.verify([a.aval for a in ins], [v.aval for v in eqn.outvars])
+            continue
+        for sub in sub_jaxprs(eqn):
+            verify_custom_rules(open_jaxpr(sub)[0])
 
 
 def linked(jaxpr: core.Jaxpr) -> set[core.Var]:
