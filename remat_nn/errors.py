@@ -66,8 +66,9 @@ class NotInvertibleError(RematNNError, ValueError):
     that rebuilding an operand lost information (a known factor of 0, ``log`` of an underflowed
     ``exp``), or ``rn.custom_ivjp.check`` found a user rule that does not invert.
 
-    The message names the primitive and the source line. Under ``jax.jit`` it arrives inside a
-    ``JaxRuntimeError`` (raised from a host callback). Example of the wrong code and the fix::
+    The message names the primitive, the source line and the fix. Under ``jax.jit`` it arrives
+    inside a ``JaxRuntimeError`` (raised from a host callback), whose third line is
+    ``NotInvertibleError: rn.invertible: ...``. Example of the wrong code and the fix::
 
         rn.invertible(lambda x, w: x * (w > 0))            # rebuilding x divides by the mask
         rn.invertible(lambda x, w: x * (w > 0), fallback="recompute")   # fix: keep x instead

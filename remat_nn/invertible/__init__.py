@@ -4,7 +4,9 @@ The table of contents; the algorithm is explained in README.md beside this file.
 
 - ``_jaxpr``: evaluating and differentiating single equations.
 - ``_primitive_rules``: per-primitive inverses with their exactness guards (the registry).
-- ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp.
+- ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp,
+  slices that tile their operand.
+- ``_tiling``: finding the sets of slices that tile their operand, and putting them back.
 - ``_analysis``: the monotone closure deciding what the walk knows and which inputs it keeps.
 - ``_walk``: the backward walk itself (derivations, schedule and execution, run-time checks).
 - ``_api``: ``rn.invertible`` (tracing, static arguments, the per-signature cache).

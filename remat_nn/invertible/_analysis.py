@@ -20,7 +20,13 @@ import jax.extend.core.primitives as prims
 import numpy as np
 
 from remat_nn._jax_internals import core
-from remat_nn.invertible._equation_rules import Assessment, EquationRule, linked, rule_for
+from remat_nn.invertible._equation_rules import (
+    Assessment,
+    EquationRule,
+    linked,
+    outputs_read,
+    rules_of,
+)
 from remat_nn.invertible._jaxpr import dce, display, is_float, is_var, nbytes, where
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._walk import Derivation, build_schedule
@@ -90,13 +96,14 @@ class Analysis:
         self.rtol = rtol
         self.known_in, self.known_out = tuple(known_in), tuple(known_out)
         self.lossy_ok, self.cache = lossy_ok, cache
-        self.rules: list[EquationRule | None] = [rule_for(e) for e in self.eqns]
+        self.rules: list[EquationRule | None]
+        self.rules, self.no_inverse = rules_of(jaxpr)  # no_inverse: slices in no tiling, why
         self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars if is_var(v)}
         self.touching: dict[core.Var, list[int]] = {}  # var -> equations reading or writing it
-        for i, e in enumerate(self.eqns):
-            for a in (*e.invars, *e.outvars):
-                if is_var(a):
-                    self.touching.setdefault(a, []).append(i)
+        for i, (e, rule) in enumerate(zip(self.eqns, self.rules, strict=True)):
+            reads = () if rule is None else outputs_read(rule, e)  # a tiling: all its slices
+            for a in dict.fromkeys(a for a in (*e.invars, *e.outvars, *reads) if is_var(a)):
+                self.touching.setdefault(a, []).append(i)
         self.verdicts: dict[tuple[int, tuple[int, ...]], Assessment] = {}
         self._digests: list[str] | None = None
         self.varying = self._varying(diff_in)
@@ -160,8 +167,7 @@ class Analysis:
         """Equation ``i``'s inversion as a heap entry ``(rank, digest, i, unknown)``, or None
         (an output unknown, nothing to rebuild, or no rule for these operands)."""
         eqn, rule = self.eqns[i], self.rules[i]
-        outs = [v for v in eqn.outvars if is_var(v)]
-        if rule is None or len(outs) != len(eqn.outvars) or any(v not in known for v in outs):
+        if rule is None or not all(is_var(v) and v in known for v in outputs_read(rule, eqn)):
             return None  # no rule, a dropped output, or an unknown output
         unknown = tuple(p for p, a in enumerate(eqn.invars) if is_var(a) and a not in known)
         if not unknown:
@@ -364,7 +370,7 @@ class Analysis:
             if reasons:
                 reason = reasons[0]
             elif self.rules[i] is None:
-                reason = f"`{eqn.primitive.name}` has no registered inverse"
+                reason = self.no_inverse.get(i, f"`{eqn.primitive.name}` has no registered inverse")
             else:
                 reason = "its outputs are not all known"
             return f"`{display(eqn)}` at {where(eqn)}: {reason}"
@@ -382,7 +388,8 @@ class Analysis:
                 continue
             rule = self.rules[i]
             if rule is None:
-                return f"`{display(eqn)}` at {where(eqn)}: `{eqn.primitive.name}` has no inverse"
+                why = self.no_inverse.get(i, f"`{eqn.primitive.name}` has no inverse")
+                return f"`{display(eqn)}` at {where(eqn)}: {why}"
             if not any(rule.reconstructs(eqn, p) for p in pos):
                 return f"`{display(eqn)}` at {where(eqn)}: its rule cannot rebuild operand {pos}"
             cone.update(w for w in eqn.outvars if is_var(w))

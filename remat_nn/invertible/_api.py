@@ -16,6 +16,7 @@ from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible._analysis import Analysis, analyze
+from remat_nn.invertible._equation_rules import verify_custom_rules
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._walk import execute, stop_on_failed_check
@@ -104,6 +105,7 @@ def _trace(
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*[leaves[i] for i in dyn_index])
+    verify_custom_rules(closed.jaxpr)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr = dce(jaxpr, [True] * len(jaxpr.outvars))
     names = [f"closed-over constant {k}" for k in range(len(closed.consts))]
@@ -396,7 +398,8 @@ def invertible(
     Args:
       fun: the function to invert, mapping arrays (pytrees) to arrays. Its path from inputs
         to outputs should use invertible primitives (add, sub, mul/div by a known value,
-        exp/log, reshape, concatenate/split, ..., ``scan`` of an invertible body, ``custom_ivjp``
+        exp/log, reshape, concatenate/split, slices that together hold each element of their
+        operand once (``x[:, :8], x[:, 8:]``), ..., ``scan`` of an invertible body, ``custom_ivjp``
         functions, or ones added with ``rn.register_inverse``); side computations (``F(x2)``)
         may use anything. What cannot be inverted is recomputed from kept inputs.
       fallback: how to treat inversions that floating point can break (division by a known
@@ -426,7 +429,8 @@ def invertible(
       ValueError: ``fallback`` is not ``"error"`` / ``"recompute"``, a static or known argument
         is out of range or not a parameter, or ``rtol`` is not in (0, 1).
       NotInvertibleError: (at the call) with ``fallback="error"``, an argument that is not a
-        weight is not determined by the outputs.
+        weight is not determined by the outputs; or an ``rn.custom_ivjp`` rule ``fun`` calls
+        fails its check, run the first time it is traced (see ``rn.custom_ivjp``).
       TypeError: ``fun`` is not callable, or a static argument is not hashable.
 
     >>> import jax, jax.numpy as jnp, remat_nn as rn

@@ -8,11 +8,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from remat_nn import _named_axes
 from remat_nn.errors import NotInvertibleError
+from remat_nn.invertible._primitive_rules import tolerance
 
 __all__ = ["custom_ivjp"]
+
+
+_WRONG_RULE = """\
+rn.invertible: the rule of rn.custom_ivjp({name}) fails its check. {found}
+rn.invertible checks each custom_ivjp rule the first time it traces it, at random inputs of the
+traced shapes ({shapes}), because the walk trusts the rule: a wrong one would give a silently
+wrong gradient. `g.check(*args)` runs the same check at your own inputs."""
 
 
 class _IVJPBwd:
@@ -31,13 +40,13 @@ class _IVJPBwd:
         self.owner, self.rule, self.in_tree = owner, rule, in_tree
         self.known_mask, self.store = known_mask, store
 
-    def apply(self, xs: list[Any], ys: list[Any], dys: list[Any] | None):
-        """Calls the user rule on flat values; ``None`` marks inputs to reconstruct."""
+    def apply(self, xs: list[Any], ys: list[Any], dys: list[Any]):
+        """Calls the user rule on flat values; ``None`` marks inputs to reconstruct. ``dys``
+        are arrays, never None (zeros where no cotangent is wanted): the rule's contract."""
         unflat = jax.tree_util.tree_unflatten
         out_tree = self.store["out_tree"]
         x_tree = unflat(self.in_tree, xs)
-        dy_tree = None if dys is None else unflat(out_tree, dys)
-        result = self.rule(x_tree, unflat(out_tree, ys), dy_tree)
+        result = self.rule(x_tree, unflat(out_tree, ys), unflat(out_tree, dys))
         name = getattr(self.rule, "__name__", "ivjp")
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
@@ -53,6 +62,46 @@ class _IVJPBwd:
                     "it was asked to reconstruct (it was passed as None)."
                 )
         return [x if x is not None else n for x, n in zip(xs, new_xs, strict=True)], list(dxs)
+
+    def verify(self, in_avals: list[Any], out_avals: list[Any]) -> None:
+        """Runs the owner's :meth:`custom_ivjp.check` once per input signature, at random inputs
+        of ``in_avals`` (``rn.invertible`` does, the first time it traces the rule).
+
+        The inputs are uniform in [0.5, 1.5] (in the domain of ``log``, ``sqrt``, division),
+        drawn by NumPy from a fixed seed, and the check is evaluated eagerly even under
+        ``jit``. The tolerance is for a wrong rule, not for rounding: 1e-3 of the reference's
+        scale (the 8-ulp floor of a 16-bit dtype if larger). Skipped where it cannot run: a
+        non-float input or output (no cotangent to compare), or a function that reads a traced
+        value it closes over or a named axis.
+        """
+        key = (self.in_tree, tuple(in_avals))
+        if key in self.owner.verified:
+            return
+        self.owner.verified.add(key)
+        if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in (*in_avals, *out_avals)):
+            return
+        rng = np.random.default_rng(0)
+        leaves = [
+            rng.uniform(0.5, 1.5, a.shape).astype(a.dtype)
+            if jnp.issubdtype(a.dtype, jnp.floating)
+            else (rng.uniform(0.5, 1.5, a.shape) + 1j * rng.uniform(0.5, 1.5, a.shape)).astype(
+                a.dtype
+            )
+            for a in in_avals
+        ]
+        args = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+        tol = max(1e-3, *(tolerance(0.0, a.dtype) for a in in_avals))
+        try:
+            with jax.ensure_compile_time_eval():
+                self.owner.check(*args, rtol=tol, atol=tol / 10)
+        except NotInvertibleError as e:
+            shapes = ", ".join(a.str_short(short_dtypes=True) for a in in_avals)
+            name = getattr(self.owner.fun, "__name__", "fun")
+            raise NotInvertibleError(
+                _WRONG_RULE.format(name=name, shapes=shapes, found=e)
+            ) from None
+        except (jax.errors.JAXTypeError, NameError):
+            return  # a traced closure or a named axis: nothing concrete to check
 
     def __call__(self, res, dys):
         ys, known, types = res
@@ -72,10 +121,18 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
     rebuilt: the ``dxs`` then returned are unused, and XLA drops their computation); the rule
     may return ``None`` for ``dxs``, meaning zero.
 
+    The contract: the rule returns the inputs ``h`` was called with (every leaf it was asked
+    for) and, for any ``dys``, the cotangents ``vjp(h)(dys)``; ``dys`` is never None, so the
+    rule need not test for it.
+
     On its own, ``g`` differentiates with the rule, storing only its outputs (and the
     ``known_argnums`` arguments). Inside ``rn.invertible``, the reverse walk uses the rule
-    instead of tracing into ``h``. Works under ``jax.jit`` (the old ``jax.custom_ivjp`` did
-    not: jax#8686), ``vmap`` and ``grad``.
+    instead of tracing into ``h``, and trusts it: so the first time ``rn.invertible`` traces a
+    call of ``g`` (once per input signature) it runs :meth:`check` at random inputs of the
+    traced shapes and dtypes (uniform in [0.5, 1.5], a tolerance of 1e-3 of the scale), and a
+    wrong rule raises :class:`NotInvertibleError` naming it instead of giving a wrong gradient.
+    Works under ``jax.jit`` (the old ``jax.custom_ivjp`` did not: jax#8686), ``vmap`` and
+    ``grad``.
 
     Args:
       fun: the function, taking positional array (pytree) arguments.
@@ -104,6 +161,7 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
         functools.update_wrapper(self, fun)
         self.fun, self.known_argnums = fun, tuple(known_argnums)
         self.ivjp: Callable | None = None
+        self.verified: set = set()  # input signatures rn.invertible has checked the rule at
 
     def defivjp(self, ivjp: Callable) -> Callable:
         """Sets the rule ``ivjp(xs, ys, dys) -> (xs, dxs)``; returns it (usable as decorator)."""
@@ -112,7 +170,7 @@ class custom_ivjp:  # noqa: N801  (lower case, like jax.custom_vjp)
                 f"rn.custom_ivjp.defivjp: argument `ivjp` must be callable, got "
                 f"{type(ivjp).__name__}."
             )
-        self.ivjp = ivjp
+        self.ivjp, self.verified = ivjp, set()
         return ivjp
 
     def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6) -> float:

@@ -4,7 +4,8 @@ A primitive with a registered :class:`PrimitiveRule` is inverted by it (``Simple
 equations recurse: ``jit`` / ``closed_call`` / ``checkpoint`` bodies are walked (reconstruction
 and cotangents together), ``custom_jvp`` / ``custom_vjp`` bodies are walked to reconstruct, then
 differentiated with their own rules, a ``scan`` is undone by a reverse scan of its body's walk
-(memory flat in its length) and a ``custom_ivjp`` call uses its user rule for both.
+(memory flat in its length) and a ``custom_ivjp`` call uses its user rule for both. The slices
+of a value that tile it share a ``TilingRule``: each rebuilds the value from all of them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from remat_nn._jax_internals import (
     jit_p,
     remat_p,
     scan_p,
+    sub_jaxprs,
 )
-from remat_nn.invertible import _errors, _primitive_rules
+from remat_nn.invertible import _errors, _primitive_rules, _tiling
 from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
 
 
@@ -76,6 +78,9 @@ class EquationRule(Protocol):
     """How one kind of equation is inverted (and, for ``fused`` rules, differentiated)."""
 
     fused: bool  # run() also returns the operands' cotangents
+    # What its inversion reads besides the known operands, if not the equation's outputs (a
+    # tiling's every slice); see :func:`outputs_read`.
+    reads: tuple[core.Var, ...] | None
 
     def reconstructs(self, eqn: core.JaxprEqn, position: int) -> bool:
         """Whether operand ``position`` can ever be rebuilt from the outputs."""
@@ -108,7 +113,7 @@ class EquationRule(Protocol):
 class SimpleRule:
     """A registered primitive rule: rebuild the operand; the walk takes the VJP separately."""
 
-    fused = False
+    fused, reads = False, None
 
     def __init__(self, rule: _primitive_rules.PrimitiveRule):
         self.rule = rule
@@ -219,6 +224,8 @@ class CallRule:
     """A call: its body is walked. ``fused`` bodies give cotangents too; own-derivative ones
     (custom_jvp / custom_vjp) only rebuild, and the walk differentiates the call itself."""
 
+    reads = None
+
     def __init__(self, body: Callable[[core.JaxprEqn], Any], *, fused: bool):
         self.body, self.fused = body, fused
 
@@ -251,7 +258,7 @@ class ScanRule:
     """A ``scan`` of an invertible body: a reverse scan that rebuilds and differentiates one
     iteration at a time (memory flat in the scan length)."""
 
-    fused = True
+    fused, reads = True, None
 
     def reconstructs(self, eqn, position):
         num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
@@ -430,7 +437,7 @@ class _ScanErrors:
 class IVJPRule:
     """A ``custom_ivjp`` call: its user rule gives both the inputs and their cotangents."""
 
-    fused = True
+    fused, reads = True, None
 
     def reconstructs(self, eqn, position):
         num_consts = ivjp_num_consts(eqn)
@@ -482,6 +489,45 @@ class IVJPRule:
         return list(ins[:num_consts]) + xs, cts, None, new_errs
 
 
+class TilingRule:
+    """Slices that tile their operand (``x[:, :8]`` and ``x[:, 8:]``; ``x[:, ::2]`` and
+    ``x[:, 1::2]``): each of them rebuilds its operand from all of them (see ``_tiling``)."""
+
+    fused = False
+
+    def __init__(self, members: tuple[core.JaxprEqn, ...]):
+        self.slices = [_tiling.slice_params(e) for e in members]
+        self.reads = tuple(e.outvars[0] for e in members)
+
+    def reconstructs(self, eqn, position):
+        del eqn
+        return position == 0
+
+    def assess(self, analysis, eqn, unknown):
+        del analysis, eqn, unknown
+        return Assessment()  # data movement: exact for every value and dtype
+
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
+        del assessment, ins, couts, walk
+        shape = eqn.invars[0].aval.shape
+
+        def inverse(known, pieces):
+            del known
+            return [_tiling.assemble(shape, self.slices, pieces)]
+
+        (x,) = inverse([], outs)
+        new_errs = None
+        if errs is not None:  # the pieces' errors, each element's from the piece holding it
+            new_errs = _errors.inherited(inverse, [], outs, list(errs[1]), [x])
+        return [x], None, None, new_errs
+
+
+def outputs_read(rule: EquationRule, eqn: core.JaxprEqn) -> tuple[Any, ...]:
+    """What an inversion of ``eqn`` by ``rule`` reads besides its known operands: the
+    equation's outputs, or every slice of a tiling (``DropVar`` for a dropped output)."""
+    return tuple(eqn.outvars) if rule.reads is None else rule.reads
+
+
 # --- which rule an equation gets -----------------------------------------------------------------
 
 
@@ -502,6 +548,19 @@ def ivjp_num_consts(eqn: core.JaxprEqn) -> int:
     return eqn.params.get("num_consts", 0) if eqn.primitive is custom_vjp_call_p else 0
 
 
+def verify_custom_rules(jaxpr: core.Jaxpr) -> None:
+    """Checks the rule of every ``custom_ivjp`` call in ``jaxpr`` (bodies included) once per
+    input signature, at random inputs (``_IVJPBwd.verify``): the walk trusts these rules."""
+    for eqn in jaxpr.eqns:
+        bwd = ivjp_bwd(eqn)
+        if bwd is not None:
+            ins = eqn.invars[ivjp_num_consts(eqn) :]
+            bwd.verify([a.aval for a in ins], [v.aval for v in eqn.outvars])
+            continue
+        for sub in sub_jaxprs(eqn):
+            verify_custom_rules(open_jaxpr(sub)[0])
+
+
 def linked(jaxpr: core.Jaxpr) -> set[core.Var]:
     """Values joined to the outputs by a chain of operand positions some rule rebuilds.
 
@@ -509,14 +568,13 @@ def linked(jaxpr: core.Jaxpr) -> set[core.Var]:
     ``dot_general`` / ``tanh``, even through a ``squeeze``) must be kept.
     """
     reach = {v for v in jaxpr.outvars if is_var(v)}
-    for eqn in reversed(jaxpr.eqns):
-        if not eqn.outvars or not all(is_var(v) and v in reach for v in eqn.outvars):
+    # Reversed program order: a tiling is complete at its first slice, after every reader of
+    # every slice of it.
+    for eqn, rule in reversed(list(zip(jaxpr.eqns, rules_of(jaxpr)[0], strict=True))):
+        reads = eqn.outvars if rule is None else outputs_read(rule, eqn)
+        if rule is None or not reads or not all(is_var(v) and v in reach for v in reads):
             continue
-        rule = rule_for(eqn)
-        if rule is not None:
-            reach.update(
-                a for p, a in enumerate(eqn.invars) if is_var(a) and rule.reconstructs(eqn, p)
-            )
+        reach.update(a for p, a in enumerate(eqn.invars) if is_var(a) and rule.reconstructs(eqn, p))
     return reach
 
 
@@ -541,6 +599,18 @@ _HI: dict[str, EquationRule] = {
     "custom_vjp": CallRule(_custom_vjp3_body, fused=False),
 }
 _SCAN, _IVJP = ScanRule(), IVJPRule()
+
+
+def rules_of(jaxpr: core.Jaxpr) -> tuple[list[EquationRule | None], dict[int, str]]:
+    """The rule of each equation of ``jaxpr`` (the slices of a tiling share one), and why each
+    slice in no tiling does not rebuild its operand."""
+    rules = [rule_for(e) for e in jaxpr.eqns]
+    found = _tiling.tilings(jaxpr)
+    for group in found.groups:
+        rule = TilingRule(tuple(jaxpr.eqns[i] for i in group))
+        for i in group:
+            rules[i] = rule
+    return rules, found.refused
 
 
 def rule_for(eqn: core.JaxprEqn) -> EquationRule | None:

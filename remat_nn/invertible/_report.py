@@ -123,6 +123,8 @@ def _detail(analysis, index: int, action: str, step) -> str:
         text = f"operand(s) {ops} rebuilt by a reverse scan of its inverted body"
     elif sub is not None:
         text = f"operand(s) {ops} by walking its body ({len(sub.eqns)} equations)"
+    elif analysis.rules[index].reads is not None:
+        text = f"operand 0 from the {len(analysis.rules[index].reads)} slices that tile it"
     elif display(eqn).startswith("custom_ivjp"):
         text = f"operand(s) {ops} from its custom_ivjp rule"
     else:

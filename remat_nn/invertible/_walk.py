@@ -16,6 +16,7 @@ The failed check with the lowest step is reported as an int32 code (0: all exact
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from remat_nn.invertible._equation_rules import (
     IVJPRule,
     combine_codes,
     ivjp_fun,
+    outputs_read,
     rule_for,
 )
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
@@ -146,7 +148,7 @@ def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> Wal
         eqn = eqns[d.eqn]
         if d.kind == "forward":
             return [a for a in eqn.invars if is_var(a)]
-        return [v for v in eqn.outvars if is_var(v)] + [
+        return [v for v in _reads(analysis, d.eqn) if is_var(v)] + [
             a for p, a in enumerate(eqn.invars) if is_var(a) and p not in d.unknown
         ]
 
@@ -196,20 +198,32 @@ def build_schedule(analysis: Walkable, want_cts: bool, want_inputs: bool) -> Wal
             if v in analysis.touching or v in jaxpr.outvars:
                 ensure(v)
 
+    _set_frees(analysis, steps)
+    return WalkSchedule(analysis, steps)
+
+
+def _reads(analysis: Walkable, i: int) -> tuple:
+    """What inverting equation ``i`` reads besides its known operands (see ``outputs_read``)."""
+    rule, eqn = analysis.rules[i], analysis.eqns[i]
+    return tuple(eqn.outvars) if rule is None else outputs_read(rule, eqn)
+
+
+def _set_frees(analysis: Walkable, steps: list[Step]) -> None:
+    """Sets each step's ``free``: the values (not inputs) no later step reads or writes."""
     last: dict[Any, int] = {}
     for k, step in enumerate(steps):
-        eqn = eqns[step.eqn]
-        for a in (*eqn.invars, *eqn.outvars):
+        eqn = analysis.eqns[step.eqn]
+        inverts = step.action in ("inverse", "fused")
+        for a in (*eqn.invars, *eqn.outvars, *(_reads(analysis, step.eqn) if inverts else ())):
             if is_var(a):
                 last[a] = k
-    keep = set(jaxpr.invars)
+    keep = set(analysis.jaxpr.invars)
     frees: list[list] = [[] for _ in steps]
     for v, k in last.items():
         if v not in keep:
             frees[k].append(v)
     for step, free in zip(steps, frees, strict=True):
         step.free = tuple(free)
-    return WalkSchedule(analysis, steps)
 
 
 def _tie(env: dict, vs: list, code: Any) -> Any:
@@ -254,16 +268,16 @@ class _State:
     ct: dict
     code: Any = None
 
-    def known_errs(self, eqn, unknown) -> Errors | None:
-        """The errors an inverse rule gets: of its known operands and outputs (None if no
-        value here can carry one)."""
+    def known_errs(self, eqn, unknown, reads) -> Errors | None:
+        """The errors an inverse rule gets: of its known operands and of what it reads (its
+        outputs; None if no value here can carry one)."""
         if not (self.analysis.checked or self.err):
             return None
         ins = [
             None if p in unknown or not is_var(a) else self.err.get(a)
             for p, a in enumerate(eqn.invars)
         ]
-        return ins, [self.err.get(v) if is_var(v) else None for v in eqn.outvars]
+        return ins, [self.err.get(v) if is_var(v) else None for v in reads]
 
     def carry(self, v, e) -> None:
         """Records ``v``'s error, computed at this step (the value depends on it)."""
@@ -284,13 +298,15 @@ class _State:
     def inverse(self, step: Step, eqn, fused: bool) -> None:
         d, env = step.derivation, self.env
         assert d is not None  # an inverse step has its derivation
-        ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
-        outs = [env[v] for v in eqn.outvars]
-        couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
         rule = self.analysis.rules[step.eqn]
         assert rule is not None and d.assessment is not None  # an inverse step has both
+        ins = [None if p in d.unknown else read(env, a) for p, a in enumerate(eqn.invars)]
+        reads = outputs_read(rule, eqn)
+        outs = [env[v] for v in reads]
+        couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
+        errs = self.known_errs(eqn, d.unknown, reads)
         rebuilt, in_cts, result, new_errs = rule.run(
-            eqn, d.assessment, ins, outs, couts, execute, self.known_errs(eqn, d.unknown)
+            eqn, d.assessment, ins, outs, couts, execute, errs
         )
         fresh = [p for p in d.unknown if eqn.invars[p] not in env]
         for p in d.unknown:
@@ -391,7 +407,16 @@ def execute(
 
 def stop_on_failed_check(code: Any) -> None:
     """Stages a host callback that raises the error of the first failed check in ``code``
-    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged)."""
+    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged).
+
+    Eagerly the :class:`NotInvertibleError` itself reaches the caller. Under ``jit``, XLA turns
+    it into a ``JaxRuntimeError`` whose text is ``INTERNAL: CpuCallback error calling
+    callback:`` and then the exception as nanobind formats it: the stack, from the frame that
+    raised it up to the caller's first line, then ``NotInvertibleError: <message>``. The error
+    is raised from a finished generator's frame, which links to no caller, so that stack is one
+    line and the refusal (primitive, source line, fix) is in the first lines; and JAX's log of
+    the failed callback (the same text again, before it) is dropped for this exception.
+    """
     if code is not None:
         jax.debug.callback(_raise_failed_check, code)
 
@@ -400,4 +425,22 @@ def _raise_failed_check(code: Any) -> None:
     failed = np.asarray(code).ravel()
     failed = failed[failed != 0]
     if failed.size:
-        raise NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1])
+        refusal = _refuse()
+        next(refusal)
+        refusal.send(NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1]))
+
+
+def _refuse():
+    """Raises the exception sent to it from its own frame (see :func:`stop_on_failed_check`)."""
+    raise (yield)
+
+
+class _NoCallbackLog(logging.Filter):
+    """Drops JAX's log of a host callback that raised :class:`NotInvertibleError`: the error
+    reaches the caller anyway, and the log printed its whole text before it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], NotInvertibleError))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_NoCallbackLog())

@@ -26,6 +26,7 @@ from jax.interpreters import ad, mlir
 import remat_nn as rn
 from remat_nn._jax_internals import saved_residuals
 from remat_nn.invertible import _primitive_rules
+from remat_nn.invertible._custom_ivjp import _IVJPBwd
 from tests.gradients import rel_err
 
 # Every test runs as JAX is today and with its upgrade flags (jax_remat3, jax_custom_vjp3) on.
@@ -631,7 +632,7 @@ def test_upgrade_flags_coupling_checkpoint_and_custom_ivjp(small):
     want = jax.grad(sin_loss(_two_halves(_half_coupling)), argnums=(0, 1, 2))(*args)
     got = jax.grad(sin_loss(rn.invertible(_two_halves(g))), argnums=(0, 1, 2))(*args)
     assert rel_err(got, want) < 1e-5
-    assert len(calls) == 2  # its rule, not a walk of its body
+    assert len(calls) == 3  # its rule, not a walk of its body (and once by the first-trace check)
     named = grads(
         lambda x, w: rn.name(x * 2.0, "h") + jnp.tanh(w), p["a"], w["f"][:4], argnums=(0, 1)
     )
@@ -743,17 +744,23 @@ def test_custom_ivjp_vmap(small):
     assert got[0].shape == (1, 4, 8)
 
 
-def test_custom_ivjp_inside_invertible_uses_its_rule(small):
+def test_custom_ivjp_inside_invertible_uses_its_rule(small, monkeypatch):
     p, w = small
     args = (p["a"], p["b"], w["f"])
     g, calls = _make_custom()
     want = jax.grad(sin_loss(_two_halves(_half_coupling)), argnums=(0, 1, 2))(*args)
     got = jax.jit(jax.grad(sin_loss(rn.invertible(_two_halves(g))), argnums=(0, 1, 2)))(*args)
     assert rel_err(got, want) < 1e-5
-    assert len(calls) == 2  # one rule call per layer, traced once under jit
+    # one rule call per layer, traced once under jit, and one by rn.invertible's check of the
+    # rule at its first trace
+    assert len(calls) == 3
     report = rn.inversion_report(_two_halves(g), *args)
     assert [e.primitive for e in report.entries] == ["custom_ivjp[_half_coupling]"] * 2
     doubled, _ = _make_custom(scale_cts=2.0)
+    doubled_loss = sin_loss(rn.invertible(_two_halves(doubled)))
+    with pytest.raises(rn.NotInvertibleError, match="cotangent leaf 0 is off"):
+        jax.grad(doubled_loss, argnums=0)(*args)  # refused by the first-trace check, and
+    monkeypatch.setattr(_IVJPBwd, "verify", lambda *a: None)  # without it, the rule is used:
     got4 = jax.grad(sin_loss(rn.invertible(_two_halves(doubled))), argnums=0)(*args)
     assert rel_err(got4, 4 * want[0]) < 1e-5  # two layers, each doubling
 
@@ -808,6 +815,71 @@ def test_a_custom_ivjp_rule_is_never_handed_dys_none(program):
     want = jax.grad(loss(functools.partial(program, lambda v: 2.0 * v)))(x)
     got = jax.grad(loss(rn.invertible(functools.partial(program, double))))(x)
     assert rel_err(got, want) < 1e-6
+
+
+def _docs_rule(inverse, cotangent):
+    g = rn.custom_ivjp(lambda v: 2.0 * v)
+    g.defivjp(lambda xs, ys, dys: ((inverse(ys),), (cotangent(dys),)))
+    return g
+
+
+@pytest.mark.parametrize(
+    ("inverse", "cotangent", "wrong"),
+    [
+        (lambda ys: ys / 3.0, lambda dys: 2.0 * dys, "reconstructed input leaf 0 is off"),
+        (lambda ys: ys / 2.0, lambda dys: dys, "cotangent leaf 0 is off"),
+    ],
+    ids=["inverse", "cotangent"],
+)
+def test_a_wrong_custom_ivjp_rule_is_refused_at_its_first_trace(inverse, cotangent, wrong):
+    # Before, rn.invertible trusted the rule: `ys / 3` for `2 * x` gave a silently wrong
+    # gradient (1.5 times autodiff's through the `exp`).
+    double = _docs_rule(inverse, cotangent)
+    f = rn.invertible(lambda x: jnp.exp(double(x)))
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))
+    with pytest.raises(rn.NotInvertibleError) as e:
+        grad(jnp.linspace(-1.0, 1.0, 4))
+    first, text = str(e.value).splitlines()[0], str(e.value)
+    assert "rule of rn.custom_ivjp(<lambda>) fails its check" in first
+    assert wrong in text and "Fix the rule <lambda>" in text and "(f32[4])" in text
+
+
+def test_a_right_custom_ivjp_rule_is_checked_once_per_signature(monkeypatch):
+    double = _docs_rule(lambda ys: ys / 2.0, lambda dys: 2.0 * dys)
+    checks = []
+    check = double.check
+    monkeypatch.setattr(double, "check", lambda *a, **k: checks.append(1) or check(*a, **k))
+
+    def stack(x):
+        return jnp.exp(double(double(x))) + 1.0  # two calls, one signature
+
+    def loss(g):
+        return lambda x: jnp.sum(jnp.sin(g(x)))
+
+    x = jnp.linspace(-0.5, 0.5, 4)
+    want = jax.grad(loss(lambda x: jnp.exp(4.0 * x) + 1.0))(x)
+    for f in (rn.invertible(stack), rn.invertible(stack)):  # a second wrapper: no new check
+        for transform in (lambda g: g, jax.jit):
+            assert rel_err(transform(jax.grad(loss(f)))(x), want) < 1e-6
+    assert len(checks) == 1
+    jax.grad(loss(rn.invertible(stack)))(jnp.ones((2, 3)))  # a new signature: checked again
+    assert len(checks) == 2
+
+
+def test_a_custom_ivjp_closing_over_a_traced_value_is_not_checked_but_runs(jax_upgrade_flags):
+    # The check runs on concrete values; a function that reads a tracer it closes over cannot
+    # be evaluated there, so it is skipped (not an error), and the rule still gives the gradient.
+    if jax_upgrade_flags != "default":
+        pytest.skip("under jax_custom_vjp3 JAX refuses a custom_vjp that closes over a tracer")
+
+    @jax.jit
+    def grad(x, s):
+        scale = rn.custom_ivjp(lambda v: v * s)
+        scale.defivjp(lambda xs, ys, dys: ((ys / s,), (dys * s,)))
+        return jax.grad(lambda x: jnp.sum(jnp.sin(rn.invertible(scale)(x))))(x)
+
+    x, s = jnp.linspace(-1.0, 1.0, 4), jnp.float32(1.5)
+    assert rel_err(grad(x, s), s * jnp.cos(s * x)) < 1e-6
 
 
 # --- register_inverse ---------------------------------------------------------------------------

@@ -9,6 +9,8 @@ refuses the silent case.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
@@ -148,3 +150,54 @@ def test_a_scan_carries_the_errors_from_iteration_to_iteration(monkeypatch):
             grad(rn.invertible(f))
     monkeypatch.setattr(_equation_rules._ScanErrors, "of", classmethod(lambda cls, *a: None))
     grad(rn.invertible(scanned))  # not refused: nothing reached the check
+
+
+def _gated(x, w):  # a mask computed from a weight: where it is 0, rebuilding x is refused
+    return x * (w > 0).astype(x.dtype) + 1.0
+
+
+def _refusal(train_step, args, caplog):
+    """The text of the refusal ``train_step(*args)`` raises, and JAX's callback log records."""
+    with caplog.at_level(logging.DEBUG), pytest.raises(Exception) as e:
+        jax.block_until_ready(train_step(*args))
+    assert isinstance(e.value, rn.NotInvertibleError | jax.errors.JaxRuntimeError), e.value
+    return str(e.value), [r for r in caplog.records if "callback failed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_run_time_refusal_reads_well_under_jit(jit, caplog):
+    """Under jit a refusal used to reach the user as ``INTERNAL: CpuCallback error calling
+    callback: Traceback ...`` with the whole stack before the NotInvertibleError, after JAX had
+    logged "jax.debug.callback failed" and the same text. Now the refusal is in the first
+    lines, once; in a jitted train step (value_and_grad, an update) as in a plain grad."""
+    x = jnp.linspace(-1.0, 1.0, 8)
+    gate = jnp.where(jnp.arange(8) % 2 == 0, -1.0, 1.0)
+    inv = rn.invertible(_gated)
+
+    def step(x, g):
+        loss, (dx, dg) = jax.value_and_grad(
+            lambda x, g: jnp.sum(jnp.sin(inv(x, g))), argnums=(0, 1)
+        )(x, g)
+        return x - 0.1 * dx, g - 0.1 * dg, loss
+
+    text, logged = _refusal(jax.jit(step) if jit else step, (x, gate), caplog)
+    lines = text.splitlines()
+    head = "\n".join(lines[:3])
+    assert "NotInvertibleError" in head or not jit, text  # eagerly: the exception itself
+    assert "rebuilding an operand of `mul` at" in head and "test_invertible_errors.py:" in head
+    assert "Fix:" in "\n".join(lines[:6]), text
+    assert not logged, [r.getMessage() for r in logged]
+
+
+def test_a_derivative_refusal_reads_well_under_jit(caplog):
+    """The other run-time refusal (an error carried into a derivative), from the scan of
+    test_a_scan_carries_the_errors_from_iteration_to_iteration, read the same way."""
+    x1 = jnp.asarray([[1000.1234, 1000.1271]], jnp.float32)
+    x2 = jnp.asarray([[999.8765, 999.8802]], jnp.float32)
+    ws = jnp.stack([jnp.asarray([[1.0, 1.0], [-1.0, -1.0]])] * 3)
+    scanned = rn.invertible(lambda x1, x2, ws: jax.lax.scan(_coupling, (x1, x2), ws)[0])
+    loss = lambda *a: sum(jnp.sum(jnp.sin(y)) for y in scanned(*a))  # noqa: E731
+    text, logged = _refusal(jax.jit(jax.grad(loss, argnums=(0, 1))), (x1, x2, ws), caplog)
+    lines = text.splitlines()
+    assert "NotInvertibleError: rn.invertible: the derivative of `tanh` at" in "\n".join(lines[:3])
+    assert "Fix:" in "\n".join(lines[:6]) and not logged, text
