@@ -124,6 +124,9 @@ class RevNet(fnn.Module):
         (see :class:`models.resnet.ResNet`), so the plan applies to the downsampling units only.
       unroll: ``unroll`` of the reversible stages' scans (``nn.ReversibleSequence``); ``None``:
         its default for convolutional blocks (unrolled on CPU, a loop on GPU/TPU). Speed only.
+      drift_fallback: ``fallback`` of the reversible stages (``nn.ReversibleSequence``): a unit
+        whose rebuilt input drifted past its measured tolerance raises (``"error"``), is
+        recomputed (``"recompute"``, more temporary memory) or is not checked (``"none"``).
 
     >>> import jax, jax.numpy as jnp
     >>> m = RevNet(ARCHS["revnet38"], num_classes=10)
@@ -148,6 +151,7 @@ class RevNet(fnn.Module):
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
     remat: rn.Plan | str | None = None
+    drift_fallback: str = "error"
     unroll: int | bool | None = None
 
     @fnn.compact
@@ -172,6 +176,7 @@ class RevNet(fnn.Module):
                 recon_dtype=self.recon_dtype,
                 reversible=self.reversible,
                 unroll=self.unroll,
+                fallback=self.drift_fallback,
                 name=f"stage{s}",
             )
             x = stack(x, train=train)  # (B, H / 2^s, W / 2^s, width), halves split on channels
@@ -285,6 +290,13 @@ class RevNetOptions(_ImageOptions):
         description="unroll of the reversible stages' scans (true: no loop, n: n units per "
         "iteration); null: unrolled on CPU, a loop on GPU/TPU",
     )
+    drift_fallback: Literal["error", "recompute", "none"] = pydantic.Field(
+        "error",
+        description="a reversible unit whose input, rebuilt in the backward pass, drifted past "
+        "its measured tolerance: error (stop the step: NotInvertibleError), recompute (from the "
+        "nearest kept input; the compiled backward holds about twice the temporary memory) or "
+        "none (no check)",
+    )
 
     def default_remat(self) -> str:
         return _default_remat(self.reversible)
@@ -304,6 +316,7 @@ def build_revnet(
     anchor_every: int | None = None,
     remat: str | Mapping[str, Any] | rn.Plan | None = None,
     unroll: int | bool | None = None,
+    drift_fallback: str = "error",
     **_: Any,
 ) -> RevNet:
     """Builds RevNet-``depth`` (38, 110 or 164); see :class:`RevNet` for the options.
@@ -329,6 +342,7 @@ def build_revnet(
         dtype=jnp.dtype(dtype),
         remat=_plan(remat, _default_remat(reversible), f"revnet{depth}"),
         unroll=unroll,
+        drift_fallback=drift_fallback,
     )
 
 

@@ -307,6 +307,8 @@ class Transformer(fnn.Module):
         MLP compute in ``dtype`` and their outputs are added in ``recon_dtype``, so the
         backward's reconstruction is float32 under bfloat16 compute and does not drift with
         depth (``bfloat16`` here is the drifting variant, for tests).
+      drift_fallback: with ``reversible``, ``fallback`` of the couplings' stack
+        (``nn.ReversibleSequence``): ``"error"``, ``"recompute"`` or ``"none"``.
 
     >>> import jax, jax.numpy as jnp
     >>> m = Transformer(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=16, max_len=4)
@@ -331,6 +333,7 @@ class Transformer(fnn.Module):
     dropout: float = 0.0
     dtype: Any = jnp.float32
     recon_dtype: Any = jnp.float32
+    drift_fallback: str = "error"
 
     @fnn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -406,6 +409,7 @@ class Transformer(fnn.Module):
             depth=self.n_layers,
             recon_dtype=self.recon_dtype,
             reversible=self.reconstruct,
+            fallback=self.drift_fallback,
             name="blocks",
         )
         y1, y2 = stack((x, x), train=train)  # (B, T, D) each
@@ -472,6 +476,12 @@ class TransformerOptions(pydantic.BaseModel):
     )
     custom_plan: dict[str, Any] | None = None
     reversible: bool = False
+    drift_fallback: Literal["error", "recompute", "none"] = pydantic.Field(
+        "error",
+        description="with reversible: a coupling whose input, rebuilt in the backward pass, "
+        "drifted past its measured tolerance: error (NotInvertibleError), recompute (more "
+        "temporary memory) or none (no check)",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)
 
@@ -527,6 +537,7 @@ def build(
     remat: str | rn.Plan | None = None,
     custom_plan: Mapping[str, Any] | None = None,
     reversible: bool = False,
+    drift_fallback: str = "error",
     dtype: str = "float32",
     dropout: float = 0.0,
 ) -> Transformer:
@@ -549,6 +560,7 @@ def build(
         scan_levels=scan_levels,
         remat=remat_plan(_default_remat(remat, reversible), custom_plan),
         reversible=reversible,
+        drift_fallback=drift_fallback,
         dropout=dropout,
         dtype=jnp.dtype(dtype),
     )

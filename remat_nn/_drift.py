@@ -50,6 +50,7 @@ __all__ = [
     "drift",
     "drift_recomputes",
     "recomputed",
+    "report_if",
     "sketch",
     "validate",
     "when",
@@ -63,7 +64,7 @@ EPS_MULTIPLE = 200
 #: The name scope of the projections' equations (``train.dtypes`` leaves their float32
 #: matmuls out of its count of the model's matmuls).
 SCOPE = "drift_projections"
-FALLBACKS = ("recompute", "error", "none")
+FALLBACKS = ("error", "recompute", "none")
 
 
 #: How many times each checked value (by its label, e.g. ``"reversible layer 7"``) was
@@ -195,8 +196,9 @@ def validate(fn: str, fallback: Any, rtol: Any) -> None:
     if fallback not in FALLBACKS:
         raise ValueError(
             f"{fn}: `fallback` must be one of {FALLBACKS}, got {fallback!r}. Fix: "
-            'fallback="recompute" (a block whose rebuilt input drifted is recomputed from the '
-            'nearest kept value), "error" (raise instead) or "none" (no check).'
+            'fallback="error" (the default: a drifted rebuilt value raises), "recompute" '
+            '(it is recomputed from the nearest kept value: more memory, see the docs) or "none" '
+            "(no check)."
         )
     if rtol is None:
         return
@@ -226,6 +228,18 @@ def when(pred: jax.Array, fn: Callable[..., PyTree], args: tuple, default: PyTre
         runs = jax.lax.pmax(runs, axes)
     converted, hoisted = jax.closure_convert(fn, *args)
     return _when(converted, runs, tuple(args), tuple(hoisted), default)
+
+
+def report_if(pred: jax.Array, report: Callable[..., None], *args: Any) -> None:
+    """Stages the host callback ``report(*args)``, run only where the boolean scalar ``pred``
+    holds (a check that passes costs no host round trip; under ``vmap``, it runs if some
+    element's ``pred`` holds, with the batch of ``args``)."""
+
+    def branch(*args: Any) -> jax.Array:
+        jax.debug.callback(report, *args)
+        return jnp.zeros((), jnp.int32)
+
+    when(pred, branch, args, jnp.zeros((), jnp.int32))
 
 
 def _loop(runs: jax.Array, fn: Callable[[], PyTree], default: PyTree) -> PyTree:

@@ -69,8 +69,8 @@ class FusedStage:
         ``depth``. Not with ``inverse`` or ``backward`` (a rebuilt stack saves no inputs).
         None: every layer's input is saved.
       drift_rtol, fallback: with ``inverse`` / ``backward``, the measured drift check of every
-        rebuilt layer input and what a drifted one gets (``"recompute"`` from the stack's
-        input, ``"error"``, ``"none"``), as :func:`remat_nn.fused_update_step`'s.
+        rebuilt layer input and what a drifted one gets (``"error"``, ``"recompute"`` from
+        the stack's input, ``"none"``), as :func:`remat_nn.fused_update_step`'s.
     """
 
     key: str
@@ -80,7 +80,7 @@ class FusedStage:
     backward: Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]] | None = None
     save_every: int | None = None
     drift_rtol: float | None = None
-    fallback: str = "recompute"
+    fallback: str = "error"
 
 
 def fused_update_stages(

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from remat_nn import _drift, _named_axes
+from remat_nn._host_errors import raise_from_callback
 from remat_nn.errors import NotInvertibleError, RematNNError
 
 if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
@@ -68,7 +69,7 @@ def fused_update_step(
     save_every: int | None = None,
     clip_norm: float | None = None,
     drift_rtol: float | None = None,
-    fallback: str = "recompute",
+    fallback: str = "error",
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -125,9 +126,10 @@ def fused_update_step(
       drift_rtol, fallback: with ``inverse_fn`` / ``backward_fn``, every rebuilt layer input is
         measured against random projections the forward keeps of it (10 floats per layer), as
         in :func:`remat_nn.reversible_scan`: a layer whose input drifted past ``drift_rtol``
-        (``None``: 200 times the input's machine epsilon) is recomputed forward from the
-        stack's input (kept for this) and its VJP taken there (``"recompute"``, default), or
-        raises ``NotInvertibleError`` (``"error"``); ``"none"`` checks nothing.
+        (``None``: 200 times the input's machine epsilon) raises ``NotInvertibleError``
+        (``"error"``, default), or is recomputed forward from the stack's input (kept for this)
+        and its VJP taken there (``"recompute"``: XLA then reserves the recompute branch's
+        buffers too); ``"none"`` checks nothing.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -411,14 +413,17 @@ def _recomputed(layer: Any) -> None:
     _drift.recomputed(f"fused update layer {int(layer)}")
 
 
+_DRIFTED = """\
+fused_update_step: the input of layer {layer}, rebuilt from its output, is off by {drift:.3g} of \
+its norm (drift_rtol={rtol:g}), so its gradient and update would be wrong. Fix: \
+normalized layers; fallback="recompute" (recompute a drifted layer's input from the stack's \
+input, at a memory cost); or no inverse_fn / backward_fn (the forward then saves every input)."""
+
+
 def _raise_drifted(bad: Any, layer: Any, drift: Any, rtol: float) -> None:
     if bool(bad):
-        raise NotInvertibleError(
-            f"fused_update_step: the input of layer {int(layer)}, rebuilt from its output, is "
-            f"off by {float(drift):.3g} of its norm (drift_rtol={rtol:g}), so its gradient and "
-            'update would be wrong. Fix: fallback="recompute" (the default), normalized layers, '
-            "or no inverse_fn / backward_fn (the forward then saves every input)."
-        )
+        message = _DRIFTED.format(layer=int(layer), drift=float(drift), rtol=rtol)
+        raise_from_callback(NotInvertibleError(message))
 
 
 class DriftCheck:
@@ -436,7 +441,7 @@ class DriftCheck:
         drift = _drift.drift(rebuilt[2], _read(self.sketches, i))
         bad = ~(drift <= self.rtol)
         if self.fallback == "error":
-            jax.debug.callback(_raise_drifted, bad, i, drift, self.rtol)
+            _drift.report_if(bad, _raise_drifted, bad, i, drift, self.rtol)
             return rebuilt
 
         def recompute(stack, layer, dy, i, start):

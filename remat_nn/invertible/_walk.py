@@ -16,7 +16,6 @@ The failed check with the lowest step is reported as an int32 code (0: all exact
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_nn._host_errors import raise_from_callback
 from remat_nn._jax_internals import core
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible import _errors
@@ -407,15 +407,8 @@ def execute(
 
 def stop_on_failed_check(code: Any) -> None:
     """Stages a host callback that raises the error of the first failed check in ``code``
-    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged).
-
-    Eagerly the :class:`NotInvertibleError` itself reaches the caller. Under ``jit``, XLA turns
-    it into a ``JaxRuntimeError`` whose text is ``INTERNAL: CpuCallback error calling
-    callback:`` and then the exception as nanobind formats it: the stack, from the frame that
-    raised it up to the caller's first line, then ``NotInvertibleError: <message>``. The error
-    is raised from a finished generator's frame, which links to no caller, so that stack is one
-    line and the refusal (primitive, source line, fix) is in the first lines; and JAX's log of
-    the failed callback (the same text again, before it) is dropped for this exception.
+    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged). Under
+    ``jit`` the refusal is in the error's first lines: :mod:`remat_nn._host_errors`.
     """
     if code is not None:
         jax.debug.callback(_raise_failed_check, code)
@@ -425,22 +418,4 @@ def _raise_failed_check(code: Any) -> None:
     failed = np.asarray(code).ravel()
     failed = failed[failed != 0]
     if failed.size:
-        refusal = _refuse()
-        next(refusal)
-        refusal.send(NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1]))
-
-
-def _refuse():
-    """Raises the exception sent to it from its own frame (see :func:`stop_on_failed_check`)."""
-    raise (yield)
-
-
-class _NoCallbackLog(logging.Filter):
-    """Drops JAX's log of a host callback that raised :class:`NotInvertibleError`: the error
-    reaches the caller anyway, and the log printed its whole text before it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], NotInvertibleError))
-
-
-logging.getLogger("jax._src.debugging").addFilter(_NoCallbackLog())
+        raise_from_callback(NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1]))

@@ -181,9 +181,10 @@ class ReversibleSequence(fnn.Module):
       drift_rtol: the largest relative drift a rebuilt layer input may have, measured in the
         backward against random projections of the true input kept by the forward
         (:func:`remat_nn.reversible_scan`; ``None``: 200 times the stream's epsilon).
-      fallback: a layer whose rebuilt input drifted further: ``"recompute"`` (default) its input
-        from the nearest kept value (the stack's input or an anchor), ``"error"`` raise
-        :class:`remat_nn.NotInvertibleError`, ``"none"`` no check.
+      fallback: a layer whose rebuilt input drifted further: ``"error"`` (default) raises
+        :class:`remat_nn.NotInvertibleError`; ``"recompute"`` recomputes its input from the
+        nearest kept value (the stack's input or an anchor; more temporary memory); ``"none"``
+        checks nothing.
 
     >>> import jax, jax.numpy as jnp, flax.linen as fnn, remat_nn as rn
     >>> from remat_nn import nn
@@ -214,7 +215,7 @@ class ReversibleSequence(fnn.Module):
     rng_names: Sequence[str] = ("dropout",)
     unroll: int | bool | None = None
     drift_rtol: float | None = None
-    fallback: str = "recompute"
+    fallback: str = "error"
 
     # --- helpers ----------------------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ class ReversibleSequence(nnx.Module):
         autodiff through the scan, storing every layer's activations.
       unroll: ``unroll`` of the scans over layers, see :func:`remat_nn.reversible_scan`.
       drift_rtol, fallback: the backward's measured drift check and what a drifted layer gets
-        (``"recompute"``, ``"error"``, ``"none"``), see :func:`remat_nn.reversible_scan`.
+        (``"error"``, ``"recompute"``, ``"none"``), see :func:`remat_nn.reversible_scan`.
 
     Inputs and outputs are a pair ``(x1, x2)`` or one array split on (and merged back on) its
     last axis. Keyword arguments of ``__call__`` (e.g. ``train=True``) must be static Python
@@ -134,7 +134,7 @@ class ReversibleSequence(nnx.Module):
         reversible: bool = True,
         unroll: int | bool | None = None,
         drift_rtol: float | None = None,
-        fallback: str = "recompute",
+        fallback: str = "error",
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(

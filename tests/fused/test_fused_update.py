@@ -321,7 +321,7 @@ def test_every_rebuilt_input_recomputed_equals_two_phase_step_float64(rebuilt):
     with jax.enable_x64(True):
         tx = optax.adam(1e-2)
         params, x = make_reversible(jnp.float64)
-        kw = {rebuilt: REBUILT[rebuilt], "drift_rtol": 1e-30}
+        kw = {rebuilt: REBUILT[rebuilt], "drift_rtol": 1e-30, "fallback": "recompute"}
         fused = rn.fused_update_step(split_embed, coupling, merged_head, tx, **kw)
 
         def two(params, opt_state, x):
@@ -365,6 +365,8 @@ def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
         return jax.tree.map(jnp.subtract, params, new)
 
     grads = {f: update(inverse_fn=linear_uncoupling, fallback=f) for f in ("none", "recompute")}
+    with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError: fused_update_step"):
+        update(inverse_fn=linear_uncoupling)  # the default, fallback="error"
     with jax.enable_x64(True):
         f64 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float64), t)  # noqa: E731
         exact = jax.grad(loss)(f64(params), f64(x))

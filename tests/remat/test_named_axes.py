@@ -272,8 +272,12 @@ PATHS: dict[str, Callable[[], Case]] = {
     "reversible_unrolled": lambda: _reversible(unroll=True),
     "reversible_anchored": lambda: _reversible(anchor_every=2),
     # every layer's rebuilt input fails the drift check: the recompute branch on every layer
-    "reversible_recomputed": lambda: _reversible(anchor_every=2, drift_rtol=1e-30),
-    "reversible_recomputed_unrolled": lambda: _reversible(unroll=True, drift_rtol=1e-30),
+    "reversible_recomputed": lambda: _reversible(
+        anchor_every=2, drift_rtol=1e-30, fallback="recompute"
+    ),
+    "reversible_recomputed_unrolled": lambda: _reversible(
+        unroll=True, drift_rtol=1e-30, fallback="recompute"
+    ),
     "nn_reversible_bn": _nn_reversible,
     "nnx_reversible_bn": _nnx_reversible,
     "invertible": _invertible,
