@@ -60,6 +60,7 @@ from remat_nn._fused_update import FusedUpdateError, fused_update_step
 from remat_nn._compare import relative_error
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
+from remat_nn._drift import SCOPE as DRIFT_SCOPE
 from remat_nn._drift import drift_recomputes
 from remat_nn._reversible import (
     ReversibleBlock,
@@ -128,6 +129,7 @@ __all__ = [
     "affine_uncombine",
     "check_invertible",
     "coupling_block",
+    "DRIFT_SCOPE",
     "drift_recomputes",
     "inverse_scan",
     "plain_scan",

@@ -461,76 +461,60 @@ def _unroll(
     )
 
 
-def _make_reversible(
-    block: ReversibleBlock, num_segments: int, unroll: int | bool, fallback: str, rtol: float
-) -> Callable:
-    """The custom_vjp of a stack split into ``num_segments`` anchored segments."""
-    checks, keep_starts = fallback != "none", fallback == "recompute"
+class _Stack(NamedTuple):
+    """A stack split into ``num_segments`` anchored segments: its forward and its backward."""
 
-    def forward(params, consts, x, checks=checks):
-        if num_segments == 1:
+    block: ReversibleBlock
+    num_segments: int
+    unroll: int | bool
+    fallback: str
+    rtol: float
+
+    @property
+    def keep_starts(self) -> bool:  # the stack's input is kept for recomputes
+        return self.fallback == "recompute"
+
+    def forward(self, params, consts, x, checks: bool):
+        """``(y, new_consts, starts, sketches)``; ``starts``: the anchors (with the stack's input
+        first for ``fallback="recompute"``), ``sketches``: each layer's input's, if ``checks``."""
+        block, unroll = self.block, self.unroll
+        if self.num_segments == 1:
             y, new_consts, sketches = _forward_layers(block, params, consts, x, unroll, checks)
             return y, new_consts, None, sketches
 
         def segment(carry, seg):
-            seg_params, seg_consts = seg
-            y, new_consts, sketches = _forward_layers(
-                block, seg_params, seg_consts, carry, unroll, checks
-            )
+            y, new_consts, sketches = _forward_layers(block, *seg, carry, unroll, checks)
             return y, (new_consts, carry, sketches)
 
-        segs = (_segments(params, num_segments), _segments(consts, num_segments))
+        segs = (_segments(params, self.num_segments), _segments(consts, self.num_segments))
         y, (new_consts, starts, sketches) = _named_axes.scan(segment, x, segs, unroll=unroll)
         # starts[s] is the input of segment s: starts[0] is x, the others are the anchors.
-        if not keep_starts:
+        if not self.keep_starts:
             starts = jax.tree.map(lambda a: a[1:], starts)
         return y, _unsegment(new_consts), starts, sketches
 
-    axes = _named_axes.BoundAxes()
-
-    @jax.custom_vjp
-    def run(params, consts, x):
-        return forward(params, consts, x, checks=False)[:2]
-
-    def run_fwd(params, consts, x):
-        axes.capture()
-        y, new_consts, starts, sketches = forward(params, consts, x)
-        # The residuals: parameters and constants (the caller holds them anyway), the output,
-        # num_segments - 1 anchors, and with the drift check (k + 2) floats per layer, plus the
-        # stack's input for fallback="recompute". Nothing per layer of an activation's size.
-        # (Under shard_map, also the input types, for 0 bytes: see _named_axes.)
-        types = _named_axes.type_witness((params, x))
-        if keep_starts and num_segments == 1:
-            starts = x
-        return (y, new_consts), (params, consts, y, starts, sketches, types)
-
-    def run_bwd(res, cts):
-        params, consts, y, starts, sketches, types = res
-        dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
-        with axes.rebound():  # a block's collectives (BatchNorm's pmean) under vmap
-            dx, dparams = backward(params, consts, y, starts, sketches, dy)
-        dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
-        return dparams, None, dx
-
-    def backward(params, consts, y, starts, sketches, dy):
-        if fallback != "recompute" or unroll is not True:
-            return backward_with(params, consts, y, starts, sketches, dy, fallback, unroll)[:2]
+    def backward(self, params, consts, y, starts, sketches, dy):
+        """``(dx, dparams)``."""
+        args = (params, consts, y, starts, sketches, dy)
+        if self.fallback != "recompute" or self.unroll is not True:
+            return self.backward_with(*args, self.fallback, self.unroll)[:2]
         # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
         # of its own (memory growing with depth): the unrolled backward only flags drift, and
         # if a layer drifted, the backward runs again rolled, recomputing where needed.
-        dx, dparams, drifted = backward_with(params, consts, y, starts, sketches, dy, "flag", True)
-        rolled = lambda *a: backward_with(*a, "recompute", 1)[:2]  # noqa: E731
-        args = (params, consts, y, starts, sketches, dy)
+        dx, dparams, drifted = self.backward_with(*args, "flag", True)
+        rolled = lambda *a: self.backward_with(*a, "recompute", 1)[:2]  # noqa: E731
         return _drift.when(drifted, rolled, args, (dx, dparams))
 
-    def backward_with(params, consts, y, starts, sketches, dy, mode, unroll):
-        def check(sk, start, offset):
-            return _Check(mode, rtol, sk, start, offset) if checks else None
+    def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):
+        """``(dx, dparams, drifted)`` with the drift check in ``mode``."""
 
+        def check(sk, start, offset):
+            return None if self.fallback == "none" else _Check(mode, self.rtol, sk, start, offset)
+
+        block, num_segments = self.block, self.num_segments
         if num_segments == 1:
-            return _backward_layers(
-                block, params, consts, y, dy, unroll, check(sketches, starts, 0)
-            )
+            chk = check(sketches, starts, 0)
+            return _backward_layers(block, params, consts, y, dy, unroll, chk)
 
         def segment(carry, seg):
             dy, drifted = carry
@@ -539,19 +523,50 @@ def _make_reversible(
             dx, dp, bad = _backward_layers(block, p, c, end, dy, unroll, chk)
             return (dx, drifted | bad), dp
 
-        anchors = jax.tree.map(lambda a: a[1:], starts) if keep_starts else starts
+        anchors = jax.tree.map(lambda a: a[1:], starts) if self.keep_starts else starts
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
         segs = (
             _segments(params, num_segments),
             _segments(consts, num_segments),
             ends,
-            starts if keep_starts else None,
+            starts if self.keep_starts else None,
             sketches,
             jnp.arange(num_segments),
         )
         init = (dy, jnp.zeros((), bool))
         (dx, drifted), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
         return dx, _unsegment(dparams), drifted
+
+
+def _make_reversible(stack: _Stack) -> Callable:
+    """The custom_vjp of ``stack``."""
+    axes = _named_axes.BoundAxes()
+
+    @jax.custom_vjp
+    def run(params, consts, x):
+        return stack.forward(params, consts, x, checks=False)[:2]
+
+    def run_fwd(params, consts, x):
+        axes.capture()
+        y, new_consts, starts, sketches = stack.forward(
+            params, consts, x, checks=stack.fallback != "none"
+        )
+        # The residuals: parameters and constants (the caller holds them anyway), the output,
+        # num_segments - 1 anchors, and with the drift check (k + 2) floats per layer, plus the
+        # stack's input for fallback="recompute". Nothing per layer of an activation's size.
+        # (Under shard_map, also the input types, for 0 bytes: see _named_axes.)
+        types = _named_axes.type_witness((params, x))
+        if stack.keep_starts and stack.num_segments == 1:
+            starts = x
+        return (y, new_consts), (params, consts, y, starts, sketches, types)
+
+    def run_bwd(res, cts):
+        params, consts, y, starts, sketches, types = res
+        dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
+        with axes.rebound():  # a block's collectives (BatchNorm's pmean) under vmap
+            dx, dparams = stack.backward(params, consts, y, starts, sketches, dy)
+        dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
+        return dparams, None, dx
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -645,7 +660,7 @@ def reversible_scan(
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
     unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
     rtol = _drift.default_rtol(stream) if drift_rtol is None else float(drift_rtol)
-    run = _make_reversible(block, num_segments, unroll, fallback, rtol)
+    run = _make_reversible(_Stack(block, num_segments, unroll, fallback, rtol))
     y, new_consts = run(params, consts, stream)
     return _cast(y, dtypes), new_consts
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from remat_nn import _drift
+import remat_nn as rn
 from remat_nn._jax_internals import sub_jaxprs
 
 __all__ = ["MATMUL_PRIMITIVES", "matmul_operand_dtypes"]
@@ -28,7 +28,7 @@ MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 def _count(jaxpr: Any, counts: Counter[str]) -> None:
     for eqn in jaxpr.eqns:
-        if _drift.SCOPE in str(eqn.source_info.name_stack):
+        if rn.DRIFT_SCOPE in str(eqn.source_info.name_stack):
             continue  # a reversible stack's drift check: float32 projections by design
         if eqn.primitive.name in MATMUL_PRIMITIVES:
             lhs, rhs = (str(v.aval.dtype) for v in eqn.invars[:2])
