@@ -16,11 +16,11 @@ size is stored; XLA fuses iota, hash and sum). Integer sums wrap, and wrapping i
 homomorphism, so the difference of two projections is exactly the projection of the
 difference of the quantized values. The estimator's own floor is the quantization: at most one
 quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6 of it only at n = 1e6),
-far below any tolerance. Its statistics: :data:`SAFETY` times the root mean square of the
-:data:`K` projected differences (each of mean square ``||d||^2``) is below ``||d||_2`` with
-probability about 1e-3 for a spread-out difference (chi-square, 8 degrees of freedom) and never
-for a difference in one element; a drift many times the tolerance is missed with negligible
-probability. Design: remat_nn/invertible/README.md.
+far below any tolerance. From the norm it takes the largest element's drift under a
+spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``, below it with
+probability about 1e-3 (chi-square, 8 degrees of freedom), never above ``||d||_2`` (which
+bounds every element); a drift in a few elements of a large tensor can read smaller.
+Design: remat_nn/invertible/README.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from remat_nn.invertible import _errors
 
 #: Projections per value (int32 each, besides one float scale).
 K = 8
-#: The estimate of ``||d||_2`` is this many times the root mean square of the projections.
+#: The margin of the largest element's drift over its spread-out expectation (see above).
 SAFETY = 3.5
 _BITS = 30  # |quantized| <= 2**30: a difference of two stays within int32
 
