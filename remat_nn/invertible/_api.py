@@ -9,17 +9,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters.ad import JVPTracer
 
 from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
+from remat_nn.invertible import _errors, _sketch
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._equation_rules import verify_custom_rules
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
-from remat_nn.invertible._walk import execute, stop_on_failed_check
+from remat_nn.invertible._walk import WalkSchedule, execute, sketched, stop_on_failed_check
 
 __all__ = ["Invertible", "invertible"]
 
@@ -142,6 +144,37 @@ def _trace(
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
 
+def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, Any]:
+    """The outputs, and the sketches of the values ``schedule`` derives from rebuilt ones
+    (``_walk.sketched``; value ``k`` with seed ``k``) packed in two arrays, whatever the depth:
+    ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if there are none)."""
+    jaxpr = schedule.analysis.jaxpr
+    values = sketched(schedule)
+    outs, found = eval_jaxpr(jaxpr, ins, values)
+    if not values:
+        return outs, None
+    made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    tops = jnp.zeros((len(values),), jnp.float32)
+    projections = jnp.zeros((len(values), _sketch.K), jnp.int32)
+    last = None
+    # Written in place, in the order the forward pass makes the values, each after the one
+    # before: XLA would otherwise compute them all early and hold every sketch apart.
+    for k in sorted(range(len(values)), key=lambda k: made.get(values[k], -1)):
+        x = found[k] if last is None else _errors.after(found[k], last)
+        top, projection = _sketch.sketch(x, k)
+        tops, projections = tops.at[k].set(top), projections.at[k].set(projection)
+        last = top
+    return outs, (tops, projections)
+
+
+def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
+    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> (seed, sketch)."""
+    if packed is None:
+        return {}
+    tops, projections = packed
+    return {v: (k, (tops[k], projections[k])) for k, v in enumerate(sketched(schedule))}
+
+
 def _as_custom_vjp(analysis: Analysis) -> Callable:
     jaxpr = analysis.jaxpr
     float_in = [is_float(v.aval) for v in jaxpr.invars]
@@ -151,18 +184,27 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         return eval_jaxpr(jaxpr, ins)[0]
 
     def fwd(*ins):
-        outs = eval_jaxpr(jaxpr, ins)[0]
-        # Residuals: the outputs (the same buffers as the primal result) and the inputs the walk
-        # keeps (weights, constants, or inputs no output determines); never an intermediate.
+        outs, sketches = _run_and_sketch(analysis.schedule(True, False), ins)
+        # Residuals: the outputs (the same buffers as the primal result), the inputs the walk
+        # keeps (weights, constants, or inputs no output determines) and a few scalars per
+        # value the walk derives from a rebuilt one (_sketch); never an intermediate.
         # (Under shard_map, also the input types, for 0 bytes: see remat_nn._named_axes.)
-        return outs, (outs, [ins[p] for p in analysis.kept], _named_axes.type_witness(list(ins)))
+        kept = [ins[p] for p in analysis.kept]
+        return outs, (outs, kept, sketches, _named_axes.type_witness(list(ins)))
 
     def bwd(res, cts):
-        outs, kept, types = res
+        outs, kept, sketches, types = res
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
-        _, in_cts, code, _ = execute(analysis, invals, outs, list(cts), want_inputs=False)
+        _, in_cts, code, _ = execute(
+            analysis,
+            invals,
+            outs,
+            list(cts),
+            want_inputs=False,
+            sketches=_by_value(analysis.schedule(True, False), sketches),
+        )
         assert in_cts is not None  # execute returns the input cotangents when given cotangents
         stop_on_failed_check(code)
         in_cts = [c if f else None for c, f in zip(in_cts, float_in, strict=True)]
@@ -312,10 +354,13 @@ class Invertible:
         traced, leaves, treedef = self._prepare(args, kwargs)
         analysis = traced.analysis
         ins = list(traced.consts) + [leaves[i] for i in traced.dyn_index]
-        outs = eval_jaxpr(analysis.jaxpr, ins)[0]
+        schedule = analysis.schedule(False, True)
+        outs, sketches = _run_and_sketch(schedule, ins)
         kept = set(analysis.kept)
         invals = [x if p in kept else None for p, x in enumerate(ins)]
-        rebuilt, _, code, _ = execute(analysis, invals, outs, None, want_inputs=True)
+        rebuilt, _, code, _ = execute(
+            analysis, invals, outs, None, want_inputs=True, sketches=_by_value(schedule, sketches)
+        )
         stop_on_failed_check(code)
         for i, x in zip(traced.dyn_index, rebuilt[len(traced.consts) :], strict=True):
             leaves[i] = x

@@ -25,8 +25,9 @@ import numpy as np
 
 from remat_nn._host_errors import raise_from_callback
 from remat_nn._jax_internals import core
+from remat_nn._named_axes import varying
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible import _errors
+from remat_nn.invertible import _errors, _sketch
 from remat_nn.invertible._equation_rules import (
     Assessment,
     CallRule,
@@ -226,6 +227,25 @@ def _set_frees(analysis: Walkable, steps: list[Step]) -> None:
         step.free = tuple(free)
 
 
+def sketched(schedule: WalkSchedule) -> list:
+    """The values the forward pass sketches for this walk (``_sketch``): every real float value
+    it derives from a rebuilt one (those may carry an error), in schedule order."""
+    analysis = schedule.analysis
+    tainted: dict = {}  # an ordered set
+    for step in schedule.steps:
+        eqn = analysis.eqns[step.eqn]
+        if step.action == "forward":
+            if any(is_var(a) and a in tainted for a in eqn.invars):
+                tainted.update((v, None) for v in eqn.outvars if is_var(v))
+        elif step.action in ("inverse", "fused"):
+            assert step.derivation is not None  # an inverse step has its derivation
+            unknown = step.derivation.unknown
+            tainted.update(
+                (a, None) for p, a in enumerate(eqn.invars) if p in unknown and is_var(a)
+            )
+    return [v for v in tainted if analysis.known[v].kind != "given" and _sketch.sketchable(v.aval)]
+
+
 def _tie(env: dict, vs: list, code: Any) -> Any:
     """Makes the rebuilt float values ``vs`` depend on the running check ``code`` at no cost
     (``_errors.after``: ``x`` bit for bit), so XLA folds each step's check in as the walk goes
@@ -267,6 +287,7 @@ class _State:
     err: dict
     ct: dict
     code: Any = None
+    sketches: Mapping[Any, tuple[int, _sketch.Sketch]] = dataclasses.field(default_factory=dict)
 
     def known_errs(self, eqn, unknown, reads) -> Errors | None:
         """The errors an inverse rule gets: of its known operands and of what it reads (its
@@ -280,7 +301,15 @@ class _State:
         return ins, [self.err.get(v) if is_var(v) else None for v in reads]
 
     def carry(self, v, e) -> None:
-        """Records ``v``'s error, computed at this step (the value depends on it)."""
+        """Records ``v``'s error, computed at this step (the value depends on it); capped by
+        the drift measured against the forward pass's sketch of ``v``, if it kept one."""
+        if v in self.sketches:
+            seed, recorded = self.sketches[v]
+            measured = _sketch.drift(self.env[v], recorded, seed)
+            # Under shard_map the packed sketches vary over every value's axes: a value
+            # varying over fewer keeps its propagated error (its type must not change).
+            if varying(measured) <= varying(self.env[v]):
+                e = _sketch.capped(e, self.env[v], measured)
         self.err[v], self.env[v] = e, _errors.after(self.env[v], sum(e))
 
     def forward(self, eqn) -> None:
@@ -354,6 +383,7 @@ def execute(
     *,
     want_inputs: bool = True,
     errs: Errors | None = None,
+    sketches: Mapping[Any, tuple[int, _sketch.Sketch]] | None = None,
 ) -> tuple[list[Any], list[Any] | None, Any, list[Any]]:
     """Runs the walk of ``analysis``.
 
@@ -366,6 +396,8 @@ def execute(
         backward does not).
       errs: the errors (see ``_errors``; ``None``: exact) the known inputs and the outputs
         carry from an enclosing walk, as (inputs, outputs).
+      sketches: the forward pass's sketches of values of ``analysis.jaxpr`` (``_sketch``:
+        value -> (seed, sketch)), which cap the errors the walk carries for them.
 
     Returns:
       All inputs (rebuilt where they were ``None``), their cotangents (``None`` for zero; the
@@ -379,7 +411,7 @@ def execute(
     env.update(
         (v, x) for v, x in zip(jaxpr.outvars, outvals, strict=True) if is_var(v) and x is not None
     )
-    state = _State(analysis, schedule, env, {}, {})
+    state = _State(analysis, schedule, env, {}, {}, sketches=sketches or {})
     if errs is not None:
         for vs, es in zip((jaxpr.invars, jaxpr.outvars), errs, strict=True):
             state.err.update(

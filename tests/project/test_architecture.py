@@ -29,6 +29,8 @@ PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
     # (importing package, imported private module or name): why
     ("benchmarks", "remat_nn.invertible._analysis.analyze"): _ANALYSIS,
     ("benchmarks", "remat_nn.invertible._api._trace"): _ANALYSIS,
+    ("benchmarks", "remat_nn.invertible._api"): "the drift table (invertible_drift) measures the "
+    "walk's gradient where its checks refuse it, by staging no check: a measuring tool",
     ("benchmarks", "remat_nn._timing.timing_rounds"): "one implementation of paired timing rounds "
     "(the planner's race and the benchmarks); a measuring tool, not part of the library's API",
     ("models", "remat_nn._jax_internals.saved_residuals"): _JAX,

@@ -1,0 +1,129 @@
+"""Measured drift: a few random projections of a value, taken by the forward pass and taken
+again of the value the backward walk rebuilds, whose difference measures how far it drifted.
+
+The errors ``_errors`` propagates are first-order estimates carried from step to step; over a
+stack of layers they compound much faster than the real error. The forward pass of
+``rn.invertible`` keeps, for each value the walk will derive from a rebuilt one, its scale
+``max|x|`` and :data:`K` projections (int32); the walk projects its own value the same way and
+estimates ``||rebuilt - true||_2`` from the difference (:func:`drift`). That norm bounds every
+element's error, so the carried error is capped by it (:func:`capped`): where the propagated
+estimate was pessimistic, the checks see the real drift.
+
+The projections are exact. ``x`` is scaled by a power of two that puts ``max|x|`` just below
+``2**30`` and rounded to int32 (exact, up to the sub-quantum digits below ``2**-30 max|x|``);
+the signs are a hash of the element index, generated where they are used (nothing of ``x``'s
+size is stored; XLA fuses iota, hash and sum). Integer sums wrap, and wrapping is a ring
+homomorphism, so the difference of two projections is exactly the projection of the
+difference of the quantized values. The estimator's own floor is the quantization: at most one
+quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6 of it only at n = 1e6),
+far below any tolerance. From the norm it takes the largest element's drift under a
+spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``, below it with
+probability about 1e-3 (chi-square, 8 degrees of freedom), never above ``||d||_2`` (which
+bounds every element); a drift in a few elements of a large tensor can read smaller.
+Design: remat_nn/invertible/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from remat_nn.invertible import _errors
+
+#: Projections per value (int32 each, besides one float scale).
+K = 8
+#: The margin of the largest element's drift over its spread-out expectation (see above).
+SAFETY = 3.5
+_BITS = 30  # |quantized| <= 2**30: a difference of two stays within int32
+
+#: A value's sketch: (``max|x|``, ``K`` int32 projections).
+Sketch = tuple[Any, Any]
+
+
+def sketchable(aval: Any) -> bool:
+    """Real floating values of at least one element (complex and integer values: not)."""
+    dtype = getattr(aval, "dtype", None)
+    return (
+        dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and all(d > 0 for d in getattr(aval, "shape", ()))
+    )
+
+
+def _wide(x: Any) -> Any:
+    x = jnp.asarray(x)
+    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+
+
+def _power(top: Any) -> Any:
+    """The power of two that scales ``top`` to just below ``2**_BITS`` (in range for the dtype)."""
+    _, ex = jnp.frexp(top)  # top < 2**ex
+    info = jnp.finfo(top.dtype)
+    shift = jnp.clip(_BITS - ex, info.minexp + 1, info.maxexp - 2)
+    return jnp.ldexp(jnp.ones((), top.dtype), shift)
+
+
+def _hash(j: Any) -> Any:
+    """A uint32 mix of ``j`` (murmur3's finalizer): its top bit is the sign."""
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        j = lax.mul(j ^ lax.shift_right_logical(j, jnp.uint32(shift)), jnp.uint32(mul))
+    return j ^ lax.shift_right_logical(j, jnp.uint32(16))
+
+
+def _project(x: Any, power: Any, seed: int) -> Any:
+    """The ``K`` projections (int32, wrapping) of ``x`` quantized at ``power``."""
+    limit = float(2**_BITS)
+    q = jnp.clip(jnp.round(x * power), -limit, limit)
+    q = jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32).reshape(1, -1)  # (1, n)
+    n = q.shape[1]
+    j = lax.broadcasted_iota(jnp.uint32, (K, n), 1) * jnp.uint32(K)
+    j = j + lax.broadcasted_iota(jnp.uint32, (K, n), 0) + jnp.uint32(seed * K)
+    negative = lax.shift_right_logical(_hash(lax.mul(j, _GOLDEN)), _TOP) == 1
+    return jnp.sum(jnp.where(negative, -q, q), axis=1, dtype=jnp.int32)  # (K,)
+
+
+_GOLDEN, _TOP = np.uint32(0x9E3779B1), np.uint32(31)
+
+
+def sketch(x: Any, seed: int) -> Sketch:
+    """The forward pass's record of ``x``: ``(max|x|, K projections)``; ``seed`` picks the
+    signs (one per value, so the sketches of distinct values are independent)."""
+    x = _wide(x)
+    top = jnp.max(jnp.abs(x)).astype(jnp.float32)  # (float64: the exponent of its float32)
+    return top, _project(x, _power(top).astype(x.dtype), seed)
+
+
+def drift(rebuilt: Any, recorded: Sketch, seed: int) -> Any:
+    """An estimate (float32) of ``||rebuilt - x||_2`` from ``x``'s sketch: at least the change
+    of ``max|.|`` (a lower bound of every element's drift); inf where ``rebuilt`` is not
+    finite; NaN where ``x``'s own scale is not (nothing measured)."""
+    rebuilt = _wide(rebuilt)
+    rebuilt_top = jnp.max(jnp.abs(rebuilt)).astype(jnp.float32)
+    top, projections = recorded
+    # Read at this step: XLA would compute every step's scale of a residual at the start and
+    # hold them all (temp memory growing with depth).
+    top = _errors.after(top, rebuilt_top)
+    power = _power(top).astype(rebuilt.dtype)
+    diff = (_project(rebuilt, power, seed) - projections).astype(jnp.float32)  # wrapped back
+    norm = jnp.sqrt(jnp.mean(diff * diff)) / power.astype(jnp.float32)  # ~ ||rebuilt - x||_2
+    n = rebuilt.size
+    spread_max = SAFETY * norm * math.sqrt(2 * math.log(2 * n) / n)
+    est = jnp.maximum(jnp.minimum(spread_max, norm), jnp.abs(rebuilt_top - top))
+    est = jnp.where(jnp.isfinite(rebuilt_top), est.astype(jnp.float32), jnp.inf)
+    return jnp.where(jnp.isfinite(top), est, jnp.nan)
+
+
+def capped(err: _errors.Err, rebuilt: Any, measured: Any) -> _errors.Err:
+    """``err`` (the propagated estimate) capped by the measured drift ``measured``: its absolute
+    part at most ``measured``, its relative part shrunk in proportion. Unchanged where nothing
+    was measured (NaN) or the measurement is larger (the cap never raises an error)."""
+    a, r, floor = err
+    largest = _errors.scale(_errors.spread(err, rebuilt))
+    shrink = jnp.where(largest > 0, measured / largest, 1.0)
+    shrink = jnp.where(jnp.isnan(shrink) | (shrink > 1), 1.0, shrink)
+    r = jnp.where(shrink == 1, r, jnp.where(shrink == 0, 0.0, r * shrink))  # not inf * 0
+    return jnp.minimum(a, jnp.where(jnp.isnan(measured), a, measured)), r, floor
