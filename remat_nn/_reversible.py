@@ -483,7 +483,10 @@ class _Stack(NamedTuple):
             return y, new_consts, None, sketches
 
         def segment(carry, seg):
-            y, new_consts, sketches = _forward_layers(block, *seg, carry, unroll, checks)
+            seg_params, seg_consts = seg
+            y, new_consts, sketches = _forward_layers(
+                block, seg_params, seg_consts, carry, unroll, checks
+            )
             return y, (new_consts, carry, sketches)
 
         segs = (_segments(params, self.num_segments), _segments(consts, self.num_segments))
@@ -497,12 +500,12 @@ class _Stack(NamedTuple):
         """``(dx, dparams)``."""
         args = (params, consts, y, starts, sketches, dy)
         if self.fallback != "recompute" or self.unroll is not True:
-            return self.backward_with(*args, self.fallback, self.unroll)[:2]
+            return self.backward_with(*args, mode=self.fallback, unroll=self.unroll)[:2]
         # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
         # of its own (memory growing with depth): the unrolled backward only flags drift, and
         # if a layer drifted, the backward runs again rolled, recomputing where needed.
-        dx, dparams, drifted = self.backward_with(*args, "flag", True)
-        rolled = lambda *a: self.backward_with(*a, "recompute", 1)[:2]  # noqa: E731
+        dx, dparams, drifted = self.backward_with(*args, mode="flag", unroll=True)
+        rolled = lambda *a: self.backward_with(*a, mode="recompute", unroll=1)[:2]  # noqa: E731
         return _drift.when(drifted, rolled, args, (dx, dparams))
 
     def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):

@@ -78,9 +78,11 @@ class EquationRule(Protocol):
     """How one kind of equation is inverted (and, for ``fused`` rules, differentiated)."""
 
     fused: bool  # run() also returns the operands' cotangents
+
     # What its inversion reads besides the known operands, if not the equation's outputs (a
     # tiling's every slice); see :func:`outputs_read`.
-    reads: tuple[core.Var, ...] | None
+    @property
+    def reads(self) -> tuple[core.Var, ...] | None: ...
 
     def reconstructs(self, eqn: core.JaxprEqn, position: int) -> bool:
         """Whether operand ``position`` can ever be rebuilt from the outputs."""

@@ -130,8 +130,8 @@ def tilings(jaxpr: core.Jaxpr) -> Tilings:
     groups, refused = [], {}
     for members in by_value.values():
         members.sort(key=lambda i: (slice_params(jaxpr.eqns[i]), i))
-        aval = jaxpr.eqns[members[0]].invars[0].aval
-        if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or not math.prod(aval.shape):
+        aval: Any = jaxpr.eqns[members[0]].invars[0].aval
+        if jnp.issubdtype(aval.dtype, jax.dtypes.extended) or not math.prod(aval.shape):
             continue  # a PRNG key or an empty operand: nothing to assemble
         slices = [slice_params(jaxpr.eqns[i]) for i in members]
         cells = _cells(aval.shape, slices) if len(members) <= _MAX_SLICES else None
