@@ -88,7 +88,8 @@ def drift_recomputes(*, reset: bool = False) -> dict[str, int]:
       reset: clear the counts after reading them.
 
     >>> import remat_nn as rn
-    >>> rn.drift_recomputes(reset=True)  # nothing drifted yet in this process
+    >>> _ = rn.drift_recomputes(reset=True)  # count from here
+    >>> rn.drift_recomputes()
     {}
     """
     counts = dict(RECOMPUTED)
