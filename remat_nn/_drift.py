@@ -50,6 +50,7 @@ __all__ = [
     "drift",
     "drift_recomputes",
     "recomputed",
+    "replay",
     "report_if",
     "sketch",
     "validate",
@@ -233,6 +234,21 @@ def when(pred: jax.Array, fn: Callable[..., PyTree], args: tuple, default: PyTre
         runs = jax.lax.pmax(runs, axes)
     converted, hoisted = jax.closure_convert(fn, *args)
     return _when(converted, runs, tuple(args), tuple(hoisted), default)
+
+
+def replay(layer: Callable[[jax.Array, PyTree], PyTree], start: PyTree, depth: int, i) -> PyTree:
+    """The input of layer ``i`` of a stack, computed forward from ``start`` (the input of layer
+    0) by ``layer(j, h)`` (layer ``j`` on ``h``, as the forward ran it).
+
+    A scan over all ``depth`` layers that keeps the carry from layer ``i`` on: a static trip
+    count, so that the recompute is reverse-differentiable (a Hessian-vector product through a
+    checked backward); it costs ``depth`` layer forwards whatever ``i`` is.
+    """
+
+    def step(h: PyTree, j: jax.Array) -> tuple[PyTree, None]:
+        return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), layer(j, h), h), None
+
+    return _named_axes.scan(step, start, jnp.arange(depth))[0]
 
 
 def report_if(pred: jax.Array, report: Callable[..., None], *args: Any) -> None:

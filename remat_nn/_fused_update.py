@@ -446,13 +446,10 @@ class DriftCheck:
 
         def recompute(stack, layer, dy, i, start):
             jax.debug.callback(_recomputed, i)
-
-            def step(h, j):
-                return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), self.rerun(stack, j, h), h)
-
-            h = _named_axes.scan(lambda h, j: (step(h, j), None), start, jnp.arange(_depth(stack)))
-            grad, dh = jax.vjp(layer_fn, layer, h[0])[1](dy)
-            return grad, dh, h[0]
+            rerun = lambda j, h: self.rerun(stack, j, h)  # noqa: E731
+            h = _drift.replay(rerun, start, _depth(stack), i)
+            grad, dh = jax.vjp(layer_fn, layer, h)[1](dy)
+            return grad, dh, h
 
         return _drift.when(bad, recompute, (stack, layer, dy, i, self.start), rebuilt)
 

@@ -315,20 +315,14 @@ def _vjp_at(block: ReversibleBlock, p, c, x, dy):
 
 
 def _recompute(block: ReversibleBlock, params, consts, start, i):
-    """The input of layer ``i`` computed forward from ``start``, the input of layer 0.
+    """The input of layer ``i`` computed forward from ``start``, the input of layer 0 (as many
+    block forwards as ``params`` has layers: the segment of ``anchor_every``, or the stack)."""
 
-    A scan over every layer of ``params`` that keeps the carry past layer ``i - 1``: a static
-    trip count, so that the recompute is reverse-differentiable (a Hessian-vector product
-    through a checked backward); a recompute costs as many block forwards as ``params`` has
-    layers (the segment of ``anchor_every``, or the whole stack).
-    """
+    def layer(j, h):
+        p, c = jax.tree.map(lambda a: a[j], (params, consts))
+        return block.forward(p, c, h)[0]
 
-    def step(h, layer):
-        (p, c), j = layer
-        return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), block.forward(p, c, h)[0], h), None
-
-    layers = ((params, consts), jnp.arange(_depth(params, consts)))
-    return _named_axes.scan(step, start, layers)[0]
+    return _drift.replay(layer, start, _depth(params, consts), i)
 
 
 _DRIFTED = """\
