@@ -39,8 +39,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from remat_nn import _named_axes
+from remat_nn._host_errors import raise_from_callback
+from remat_nn.errors import NotInvertibleError
 
 __all__ = [
     "EPS_MULTIPLE",
@@ -50,6 +53,7 @@ __all__ = [
     "drift",
     "drift_recomputes",
     "recomputed",
+    "refuse_if",
     "replay",
     "report_if",
     "sketch",
@@ -249,6 +253,21 @@ def replay(layer: Callable[[jax.Array, PyTree], PyTree], start: PyTree, depth: i
         return jax.tree.map(lambda a, b: jnp.where(j < i, a, b), layer(j, h), h), None
 
     return _named_axes.scan(step, start, jnp.arange(depth))[0]
+
+
+def refuse_if(bad: jax.Array, message: str, layer: Any, drift: jax.Array, rtol: float) -> None:
+    """Stages a :class:`~remat_nn.NotInvertibleError` raised at run time where ``bad`` holds:
+    ``message`` formatted with the ``layer``, its ``drift`` and ``rtol`` (under ``vmap``, of the
+    first element that drifted). Under ``jit`` it reads first: :mod:`remat_nn._host_errors`."""
+    report_if(bad, functools.partial(_refuse, message, rtol), bad, layer, drift)
+
+
+def _refuse(message: str, rtol: float, bad: Any, layer: Any, drift: Any) -> None:
+    bad, layer, drift = (np.ravel(np.asarray(a)) for a in (bad, layer, drift))
+    if bad.any():
+        k = int(np.argmax(bad))
+        text = message.format(layer=int(layer[k % layer.size]), drift=float(drift[k]), rtol=rtol)
+        raise_from_callback(NotInvertibleError(text))
 
 
 def report_if(pred: jax.Array, report: Callable[..., None], *args: Any) -> None:

@@ -25,8 +25,7 @@ import numpy as np
 from jax import lax
 
 from remat_nn import _drift, _named_axes
-from remat_nn._host_errors import raise_from_callback
-from remat_nn.errors import NotInvertibleError, RematNNError
+from remat_nn.errors import RematNNError
 
 if TYPE_CHECKING:  # optax is the caller's (the [train] extra), not a core dependency
     import optax
@@ -420,12 +419,6 @@ normalized layers; fallback="recompute" (recompute a drifted layer's input from 
 input, at a memory cost); or no inverse_fn / backward_fn (the forward then saves every input)."""
 
 
-def _raise_drifted(bad: Any, layer: Any, drift: Any, rtol: float) -> None:
-    if bool(bad):
-        message = _DRIFTED.format(layer=int(layer), drift=float(drift), rtol=rtol)
-        raise_from_callback(NotInvertibleError(message))
-
-
 class DriftCheck:
     """The measured drift check of a rebuilt stack: the forward's sketch of every layer's
     input (``(L, k + 2)``, :mod:`remat_nn._drift`), the stack's input ``start`` (kept for
@@ -441,7 +434,7 @@ class DriftCheck:
         drift = _drift.drift(rebuilt[2], _read(self.sketches, i))
         bad = ~(drift <= self.rtol)
         if self.fallback == "error":
-            _drift.report_if(bad, _raise_drifted, bad, i, drift, self.rtol)
+            _drift.refuse_if(bad, _DRIFTED, i, drift, self.rtol)
             return rebuilt
 
         def recompute(stack, layer, dy, i, start):

@@ -37,10 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_nn import _drift, _named_axes
-from remat_nn._host_errors import raise_from_callback
 from remat_nn._jax_internals import sub_jaxprs
 from remat_nn._tie import tie, zero_after
-from remat_nn.errors import NotInvertibleError
 
 __all__ = [
     "ReversibleBlock",
@@ -335,12 +333,6 @@ recon_dtype; fallback="recompute" (recompute a drifted layer's input from the ne
 value: the compiled backward then holds about twice the temporary memory); or reversible=False."""
 
 
-def _raise_drifted(bad, layer, drift, rtol) -> None:
-    if bool(bad):
-        message = _DRIFTED.format(layer=int(layer), drift=float(drift), rtol=rtol)
-        raise_from_callback(NotInvertibleError(message))
-
-
 def _recomputed(layer) -> None:
     _drift.recomputed(f"reversible layer {int(layer)}")
 
@@ -353,7 +345,7 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
     drift = _drift.drift(rebuilt[0], ref)
     bad = ~(drift <= check.rtol)  # nan (a non-finite rebuilt value) fails
     if check.fallback == "error":
-        _drift.report_if(bad, _raise_drifted, bad, check.offset + i, drift, check.rtol)
+        _drift.refuse_if(bad, _DRIFTED, check.offset + i, drift, check.rtol)
     if check.fallback != "recompute":
         return rebuilt, bad
 
