@@ -124,6 +124,8 @@ class RevNet(fnn.Module):
         (see :class:`models.resnet.ResNet`), so the plan applies to the downsampling units only.
       unroll: ``unroll`` of the reversible stages' scans (``nn.ReversibleSequence``); ``None``:
         its default for convolutional blocks (unrolled on CPU, a loop on GPU/TPU). Speed only.
+      fallback: the reversible stages' drift check (``nn.ReversibleSequence``): ``"recompute"``
+        (default), ``"error"`` or ``"none"``.
 
     >>> import jax, jax.numpy as jnp
     >>> m = RevNet(ARCHS["revnet38"], num_classes=10)
@@ -149,6 +151,7 @@ class RevNet(fnn.Module):
     recon_dtype: Any = jnp.float32
     remat: rn.Plan | str | None = None
     unroll: int | bool | None = None
+    fallback: str = "recompute"
 
     @fnn.compact
     def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
@@ -172,6 +175,7 @@ class RevNet(fnn.Module):
                 recon_dtype=self.recon_dtype,
                 reversible=self.reversible,
                 unroll=self.unroll,
+                fallback=self.fallback,
                 name=f"stage{s}",
             )
             x = stack(x, train=train)  # (B, H / 2^s, W / 2^s, width), halves split on channels
