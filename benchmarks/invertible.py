@@ -80,6 +80,25 @@ def analysis_seconds(couplings: list[int], rounds: int) -> tuple[list[int], dict
     return eqns, least, noise
 
 
+def _matrix(quick: bool) -> tuple[str, list[Target]]:
+    """The canonical-stacks matrix's section and its two targets (the issue's acceptance)."""
+    section, false, silent = matrix.section(quick)
+    targets = [
+        Target(
+            f"matrix: no false refusals / recomputes (unchecked error <= {matrix.FALSE}x "
+            "jax.grad's own)",
+            false == 0,
+            f"{false} cells",
+        ),
+        Target(
+            f"matrix: no silent errors (accepted, error > {matrix.SILENT}x jax.grad's own)",
+            silent == 0,
+            f"{silent} cells",
+        ),
+    ]
+    return section, targets
+
+
 def run(quick: bool = False) -> Result:
     couplings = [20, 40, 80] if quick else [53, 107, 213, 427, 853]  # 6 equations each
     rounds = 3 if quick else 9
@@ -150,19 +169,10 @@ def run(quick: bool = False) -> Result:
             f"{temp[lo]:,} B -> {temp[hi]:,} B",
         ),
     ]
-    section, false, silent = matrix.section(quick)
-    targets += [
-        Target(
-            f"matrix: no false refusals / recomputes (unchecked error <= {matrix.FALSE}x "
-            "jax.grad's own)",
-            false == 0,
-            f"{false} cells",
-        ),
-        Target(
-            f"matrix: no silent errors (accepted, error > {matrix.SILENT}x jax.grad's own)",
-            silent == 0,
-            f"{silent} cells",
-        ),
-    ]
-    body += "\n\n" + section
-    return Result("invertible", body, {"invertible_analysis.png": fig}, targets)
+    section, matrix_targets = _matrix(quick)
+    return Result(
+        "invertible",
+        body + "\n\n" + section,
+        {"invertible_analysis.png": fig},
+        targets + matrix_targets,
+    )
