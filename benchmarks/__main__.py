@@ -25,6 +25,7 @@ BENCHMARKS = {
     "strategies": "benchmarks.strategies",
     "invertible": "benchmarks.invertible",
     "revnet": "benchmarks.revnet",
+    "drift_cost": "benchmarks.drift_cost",
     "transformer": "benchmarks.transformer",
     "donation": "benchmarks.donation",
     "efficiency": "benchmarks.efficiency",

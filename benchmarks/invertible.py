@@ -7,7 +7,9 @@ and keeps) plus building the backward walk's schedule, the least of several runs
 ``fallback`` settings, in CPU seconds of this process (the analysis is single-threaded Python;
 on a shared machine wall time also counts the other processes' turns). Beside it: the
 gradient error against plain autodiff at depth 64 and the compiled temp bytes of the gradient
-at depth 8 and 64 (flat: no activation is stored).
+at depth 8 and 64 (flat: no activation is stored). Then the canonical-stacks matrix
+(:mod:`benchmarks.invertible_matrix`): rn.invertible and the reversible stack's drift check,
+cell by cell, against jax.grad's own error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import remat_nn as rn  # noqa: E402
+from benchmarks import invertible_matrix as matrix  # noqa: E402
 from benchmarks._common import Result, Target, verdict  # noqa: E402
 from remat_nn._timing import timing_rounds  # noqa: E402
 from remat_nn.invertible._analysis import analyze  # noqa: E402
@@ -75,6 +78,24 @@ def analysis_seconds(couplings: list[int], rounds: int) -> tuple[list[int], dict
     least = {k: min(v) for k, v in samples.items()}
     noise = least["itself", couplings[-2]] / least["error", couplings[-2]]
     return eqns, least, noise
+
+
+def _matrix(quick: bool) -> tuple[str, list[Target]]:
+    """The canonical-stacks matrix's section and its two targets (the issue's acceptance)."""
+    section, false, silent = matrix.section(quick)
+    targets = [
+        Target(
+            f"matrix: no false refusals (unchecked error <= {matrix.FALSE}x jax.grad's own)",
+            false == 0,
+            f"{false} cells",
+        ),
+        Target(
+            f"matrix: no silent errors (accepted, error > {matrix.SILENT}x jax.grad's own)",
+            silent == 0,
+            f"{silent} cells",
+        ),
+    ]
+    return section, targets
 
 
 def run(quick: bool = False) -> Result:
@@ -147,4 +168,10 @@ def run(quick: bool = False) -> Result:
             f"{temp[lo]:,} B -> {temp[hi]:,} B",
         ),
     ]
-    return Result("invertible", body, {"invertible_analysis.png": fig}, targets)
+    section, matrix_targets = _matrix(quick)
+    return Result(
+        "invertible",
+        body + "\n\n" + section,
+        {"invertible_analysis.png": fig},
+        targets + matrix_targets,
+    )

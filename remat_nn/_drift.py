@@ -25,7 +25,7 @@ the floor: ``EPS_MULTIPLE`` (8192) times the rebuilt value's machine epsilon.
 ``recon_dtype=jnp.float32`` keeps a 16-bit stack's reconstruction in float32.
 
 Cost, per checked value: ``k + 2`` float32 numbers kept, and ``2 k`` flops plus one integer
-hash per element in each pass (measured on the benchmarks: ``benchmarks/results/revnet.md``).
+hash per element in each pass (measured on the benchmarks: ``benchmarks/results/drift_cost.md``).
 """
 
 from __future__ import annotations
