@@ -24,8 +24,9 @@ values are computed in float64. A value rebuilt in 16-bit floats has a floor of 
 the floor: ``EPS_MULTIPLE`` (8192) times the rebuilt value's machine epsilon.
 ``recon_dtype=jnp.float32`` keeps a 16-bit stack's reconstruction in float32.
 
-Cost, per checked value: ``k + 2`` float32 numbers kept, and ``2 k`` flops plus one integer
-hash per element in each pass (measured on the benchmarks: ``benchmarks/results/drift_cost.md``).
+Cost, per checked value: ``k + 2`` float32 numbers kept, and ``2 k`` flops per element in each
+pass (a matmul with sign matrices of ``O(k sqrt(n))`` numbers); measured on RevNet-38 and a dense
+stack in ``benchmarks/results/drift_cost.md``.
 """
 
 from __future__ import annotations
@@ -282,9 +283,21 @@ def report_if(pred: jax.Array, report: Callable[..., None], *args: Any) -> None:
     when(pred, branch, args, jnp.zeros((), jnp.int32))
 
 
-def _loop(runs: jax.Array, fn: Callable[[], PyTree], default: PyTree) -> PyTree:
+def _loop(runs: jax.Array, fn: Callable[..., PyTree], operands: tuple, default: PyTree) -> PyTree:
+    """``fn(*operands)`` if ``runs`` (0 or 1) is 1, else ``default``: a loop run ``runs`` times.
+
+    The operands enter the body through an optimization barrier with the loop's counter. They
+    are invariant in the loop, and XLA's loop-invariant code motion would otherwise hoist
+    whatever ``fn`` computes from them out of the loop, so that the branch ran every time
+    (measured on the dense depth-64 stack: the recompute branch's forward replay then ran at
+    every layer of the backward, 19x its time, with no layer drifted).
+    """
+
     def body(state: tuple[jax.Array, PyTree]) -> tuple[jax.Array, PyTree]:
-        out = jax.tree.map(lambda a, d: a.astype(d.dtype), fn(), state[1])
+        # One barrier per leaf: a barrier's outputs vary over the union of its operands'
+        # named axes (shard_map), and each operand must keep its own type.
+        ops = jax.tree.map(lambda a: jax.lax.optimization_barrier((state[0], a))[1], operands)
+        out = jax.tree.map(lambda a, d: a.astype(d.dtype), fn(*ops), state[1])
         return state[0] + 1, out
 
     init = _named_axes.stable_carry(body, (jnp.int32(0), default))
@@ -293,7 +306,7 @@ def _loop(runs: jax.Array, fn: Callable[[], PyTree], default: PyTree) -> PyTree:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _when(fn: Callable[..., PyTree], runs, args, hoisted, default):
-    return _loop(runs, lambda: fn(*args, *hoisted), default)
+    return _loop(runs, fn, (*args, *hoisted), default)
 
 
 def _when_fwd(fn, runs, args, hoisted, default):
@@ -312,8 +325,8 @@ def _when_bwd(fn, res, ct):
         return fn(*a, *h)
 
     diff = [a for a, d in zip(leaves, inexact, strict=True) if d]
-    pull = lambda: jax.vjp(call, *diff)[1](ct)  # noqa: E731
-    dleaves = iter(_loop(runs, pull, tuple(jnp.zeros_like(a) for a in diff)))
+    pull = lambda ct, *diff: jax.vjp(call, *diff)[1](ct)  # noqa: E731
+    dleaves = iter(_loop(runs, pull, (ct, *diff), tuple(jnp.zeros_like(a) for a in diff)))
     cts = [next(dleaves) if d else None for d in inexact]
     dargs, dhoisted = jax.tree.unflatten(treedef, cts)
     ddefault = jax.tree.map(lambda c: jnp.where(runs > 0, jnp.zeros_like(c), c), ct)
