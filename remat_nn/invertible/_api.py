@@ -16,12 +16,19 @@ from jax.interpreters.ad import JVPTracer
 from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible import _errors, _sketch
+from remat_nn.invertible import _errors, _scan_sketch, _sketch
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._equation_rules import verify_custom_rules
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
-from remat_nn.invertible._walk import WalkSchedule, execute, sketched, stop_on_failed_check
+from remat_nn.invertible._scan_sketch import sketched
+from remat_nn.invertible._walk import (
+    SCAN_KEY,
+    WalkSchedule,
+    execute,
+    sketched_scans,
+    stop_on_failed_check,
+)
 
 __all__ = ["Invertible", "invertible"]
 
@@ -144,15 +151,38 @@ def _trace(
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
 
+def _scan_seeds(schedule: WalkSchedule) -> dict[int, tuple[int, Any, list]]:
+    """Each sketched scan's first seed (after the values' seeds), body jaxpr and values."""
+    seeds, next_seed = {}, len(sketched(schedule))
+    for i, body, body_values in sketched_scans(schedule):
+        seeds[i] = (next_seed, body, body_values)
+        next_seed += len(body_values)
+    return seeds
+
+
 def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, Any]:
     """The outputs, and the sketches of the values ``schedule`` derives from rebuilt ones
     (``_walk.sketched``; value ``k`` with seed ``k``) packed in two arrays, whatever the depth:
-    ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if there are none)."""
-    jaxpr = schedule.analysis.jaxpr
-    values = sketched(schedule)
-    outs, found = eval_jaxpr(jaxpr, ins, values)
+    ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if there are none); and
+    the per-iteration sketches inside the scans it undoes (``_scan_sketch``), by equation."""
+    analysis = schedule.analysis
+    jaxpr, values = analysis.jaxpr, sketched(schedule)
+    carries: dict[int, Any] = {}
+
+    def sketching(i: int, seed: int, body: Any, body_values: list) -> Callable[[list], list]:
+        def run(ins: list) -> list:
+            outs, (_, tops, projections) = _scan_sketch.forward(
+                jaxpr.eqns[i], body, body_values, ins, seed
+            )
+            carries[i] = (tops, projections)
+            return outs
+
+        return run
+
+    runs = {i: sketching(i, *sv) for i, sv in _scan_seeds(schedule).items()}
+    outs, found = eval_jaxpr(jaxpr, ins, values, runs)
     if not values:
-        return outs, None
+        return outs, (None, carries)
     made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     tops = jnp.zeros((len(values),), jnp.float32)
     projections = jnp.zeros((len(values), _sketch.K), jnp.int32)
@@ -164,15 +194,21 @@ def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, A
         top, projection = _sketch.sketch(x, k)
         tops, projections = tops.at[k].set(top), projections.at[k].set(projection)
         last = top
-    return outs, (tops, projections)
+    return outs, ((tops, projections), carries)
 
 
 def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
-    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> (seed, sketch)."""
-    if packed is None:
-        return {}
-    tops, projections = packed
-    return {v: (k, (tops[k], projections[k])) for k, v in enumerate(sketched(schedule))}
+    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> (seed,
+    sketch), and ``SCAN_KEY(i)`` -> a scan's per-iteration sketches
+    (``_scan_sketch.ScanSketches``)."""
+    values, carries = packed
+    out: dict[Any, Any] = {}
+    if values is not None:
+        tops, projections = values
+        out = {v: (k, (tops[k], projections[k])) for k, v in enumerate(sketched(schedule))}
+    for i, (seed, _, _) in _scan_seeds(schedule).items():
+        out[SCAN_KEY(i)] = (seed, *carries[i])
+    return out
 
 
 def _as_custom_vjp(analysis: Analysis) -> Callable:

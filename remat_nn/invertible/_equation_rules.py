@@ -31,7 +31,7 @@ from remat_nn._jax_internals import (
     scan_p,
     sub_jaxprs,
 )
-from remat_nn.invertible import _errors, _primitive_rules, _tiling
+from remat_nn.invertible import _errors, _primitive_rules, _scan_sketch, _tiling
 from remat_nn.invertible._jaxpr import aval_str, is_float, is_var, open_jaxpr, zeros_ct
 
 
@@ -281,7 +281,9 @@ class ScanRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None):
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None, sketches=None):
+        """``sketches``: the forward pass's per-iteration sketches of the body values the
+        body's walk derives from rebuilt ones (``_scan_sketch``), which cap their errors."""
         params = eqn.params
         num_consts, num_carry = params["num_consts"], params["num_carry"]
         _, body_consts = open_jaxpr(params["jaxpr"])
@@ -302,9 +304,16 @@ class ScanRule:
         scan_errs = _ScanErrors.of(errs, checked, num_consts, num_carry, carry_avals, xs_known)
         err_c0 = None if scan_errs is None else scan_errs.carry0
 
+        if scan_errs is None:
+            sketches = None
+        if sketches is not None:
+            seed, tops, projections = sketches
+            values = _scan_sketch.values(assessment.sub, couts is not None)
+            sketches = (tops, projections)
+
         def body(state, per_iter):
             carry, ct_c, ct_k, code, err_c = state
-            y, ct_y, x = per_iter
+            y, ct_y, x, sk = per_iter
             inner_in = (
                 body_consts
                 + consts
@@ -312,12 +321,14 @@ class ScanRule:
                 + [v if k else None for v, k in zip(x, xs_known, strict=True)]
             )
             inner_errs = None if scan_errs is None else scan_errs.inner(err_c, num_body_consts)
+            measured = None if sk is None else _scan_sketch.at_iteration(values, seed, *sk)
             rebuilt, inner_cts, inner_code, new_errs = walk(
                 assessment.sub,
                 inner_in,
                 list(carry) + list(y),
                 None if ct_c is None else list(ct_c) + list(ct_y),
                 errs=inner_errs,
+                sketches=measured,
             )
             code = combine_codes(code, inner_code)
             rebuilt = rebuilt[num_body_consts:]
@@ -345,7 +356,12 @@ class ScanRule:
             return (new_carry, new_ct_c, new_ct_k, code, new_err_c), (x_rec, ct_x, x_err)
 
         init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0)
-        per_iter = (ys, ct_ys, [x if k else None for x, k in zip(xs, xs_known, strict=True)])
+        per_iter = (
+            ys,
+            ct_ys,
+            [x if k else None for x, k in zip(xs, xs_known, strict=True)],
+            sketches,
+        )
         (carry0, ct_c0, ct_k, code, err_c), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )

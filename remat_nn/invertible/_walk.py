@@ -34,12 +34,14 @@ from remat_nn.invertible._equation_rules import (
     EquationRule,
     Errors,
     IVJPRule,
+    ScanRule,
     combine_codes,
     ivjp_fun,
     outputs_read,
     rule_for,
 )
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
+from remat_nn.invertible._scan_sketch import values
 
 _CHECK_MESSAGES: list[str] = []  # check id - 1 -> the error text of a failed run-time check
 _CHECK_IDS: dict[str, int] = {}
@@ -227,23 +229,26 @@ def _set_frees(analysis: Walkable, steps: list[Step]) -> None:
         step.free = tuple(free)
 
 
-def sketched(schedule: WalkSchedule) -> list:
-    """The values the forward pass sketches for this walk (``_sketch``): every real float value
-    it derives from a rebuilt one (those may carry an error), in schedule order."""
-    analysis = schedule.analysis
-    tainted: dict = {}  # an ordered set
+def SCAN_KEY(eqn: int) -> tuple[str, int]:  # noqa: N802 -- a key maker, read as a constant
+    """The key of a scan's per-iteration carry sketches among a walk's sketches."""
+    return ("scan", eqn)
+
+
+def sketched_scans(schedule: WalkSchedule) -> list[tuple[int, Any, list]]:
+    """The scans the forward pass sketches at every iteration for this walk
+    (``_scan_sketch``), those the walk undoes whose body's inversions are checked, each with
+    its body's jaxpr and the body values it sketches: ``(equation, body, values)``."""
+    out = []
     for step in schedule.steps:
-        eqn = analysis.eqns[step.eqn]
-        if step.action == "forward":
-            if any(is_var(a) and a in tainted for a in eqn.invars):
-                tainted.update((v, None) for v in eqn.outvars if is_var(v))
-        elif step.action in ("inverse", "fused"):
-            assert step.derivation is not None  # an inverse step has its derivation
-            unknown = step.derivation.unknown
-            tainted.update(
-                (a, None) for p, a in enumerate(eqn.invars) if p in unknown and is_var(a)
-            )
-    return [v for v in tainted if analysis.known[v].kind != "given" and _sketch.sketchable(v.aval)]
+        if step.action not in ("inverse", "fused"):
+            continue
+        rule, d = schedule.analysis.rules[step.eqn], step.derivation
+        sub = None if d is None or d.assessment is None else d.assessment.sub
+        if isinstance(rule, ScanRule) and sub is not None and sub.checked:
+            body_values = values(sub, step.action == "fused")
+            if body_values:
+                out.append((step.eqn, sub.jaxpr, body_values))
+    return out
 
 
 def _tie(env: dict, vs: list, code: Any) -> Any:
@@ -334,8 +339,10 @@ class _State:
         outs = [env[v] for v in reads]
         couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
         errs = self.known_errs(eqn, d.unknown, reads)
+        scan_sketches = self.sketches.get(SCAN_KEY(step.eqn))
+        extra = {} if scan_sketches is None else {"sketches": scan_sketches}
         rebuilt, in_cts, result, new_errs = rule.run(
-            eqn, d.assessment, ins, outs, couts, execute, errs
+            eqn, d.assessment, ins, outs, couts, execute, errs, **extra
         )
         fresh = [p for p in d.unknown if eqn.invars[p] not in env]
         for p in d.unknown:
