@@ -282,8 +282,7 @@ class ScanRule:
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
     def run(self, eqn, assessment, ins, outs, couts, walk, errs=None, sketches=None):
-        """``sketches``: the forward pass's per-iteration sketches of the body values the
-        body's walk derives from rebuilt ones (``_scan_sketch``), which cap their errors."""
+        """``sketches``: the forward pass's, per iteration (``_scan_sketch``)."""
         params = eqn.params
         num_consts, num_carry = params["num_consts"], params["num_carry"]
         _, body_consts = open_jaxpr(params["jaxpr"])
@@ -292,24 +291,17 @@ class ScanRule:
         carry_avals = [a.aval for a in eqn.invars[num_consts : num_consts + num_carry]]
         xs_avals = [a.aval for a in eqn.invars[num_consts + num_carry :]]
         const_avals = [a.aval for a in eqn.invars[:num_consts]]
-        ys, xs_known, want_cts = (
-            list(outs[num_carry:]),
-            [x is not None for x in xs],
-            couts is not None,
-        )
-        checked = assessment.sub.checked
+        ys, xs_known = list(outs[num_carry:]), [x is not None for x in xs]
+        want_cts, checked = couts is not None, assessment.sub.checked
 
         ct_carry, ct_ys, ct_consts = _initial_cts(couts, carry_avals, ys, const_avals)
         code0 = jnp.zeros((), jnp.int32) if checked else None
         scan_errs = _ScanErrors.of(errs, checked, num_consts, num_carry, carry_avals, xs_known)
         err_c0 = None if scan_errs is None else scan_errs.carry0
 
-        if scan_errs is None:
-            sketches = None
-        if sketches is not None:
-            seed, tops, projections = sketches
-            values = _scan_sketch.values(assessment.sub, couts is not None)
-            sketches = (tops, projections)
+        sketches, measure = _scan_sketch.per_iteration(
+            None if scan_errs is None else sketches, assessment.sub, want_cts
+        )
 
         def body(state, per_iter):
             carry, ct_c, ct_k, code, err_c = state
@@ -321,14 +313,13 @@ class ScanRule:
                 + [v if k else None for v, k in zip(x, xs_known, strict=True)]
             )
             inner_errs = None if scan_errs is None else scan_errs.inner(err_c, num_body_consts)
-            measured = None if sk is None else _scan_sketch.at_iteration(values, seed, *sk)
             rebuilt, inner_cts, inner_code, new_errs = walk(
                 assessment.sub,
                 inner_in,
                 list(carry) + list(y),
                 None if ct_c is None else list(ct_c) + list(ct_y),
                 errs=inner_errs,
-                sketches=measured,
+                sketches=measure(sk),
             )
             code = combine_codes(code, inner_code)
             rebuilt = rebuilt[num_body_consts:]
@@ -356,12 +347,8 @@ class ScanRule:
             return (new_carry, new_ct_c, new_ct_k, code, new_err_c), (x_rec, ct_x, x_err)
 
         init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0)
-        per_iter = (
-            ys,
-            ct_ys,
-            [x if k else None for x, k in zip(xs, xs_known, strict=True)],
-            sketches,
-        )
+        known_xs = [x if k else None for x, k in zip(xs, xs_known, strict=True)]
+        per_iter = (ys, ct_ys, known_xs, sketches)
         (carry0, ct_c0, ct_k, code, err_c), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )

@@ -16,7 +16,7 @@ its bounds); a scan whose body has no checked inversion has no bound to cap and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -61,10 +61,23 @@ def forward(
     return carry + ys, (seed, tops, projections)
 
 
-def at_iteration(values: Sequence[Any], seed: int, tops: Any, projections: Any) -> dict:
-    """One iteration's sketches (``tops`` ``(m,)``, ``projections`` ``(m, K)``) as the body's
-    walk reads them: value -> (seed, sketch)."""
-    return {v: (seed + k, (tops[k], projections[k])) for k, v in enumerate(values)}
+def per_iteration(
+    sketches: ScanSketches | None, body: Any, want_cts: bool
+) -> tuple[Any, Callable[[Any], dict | None]]:
+    """For ``ScanRule``'s reverse scan over the body analysis ``body`` (with cotangents if
+    ``want_cts``): what it scans over (``(tops, projections)``, or None without sketches), and
+    the function that reads one iteration's slice of it as the body's walk reads sketches
+    (value -> (seed, sketch); None without)."""
+    if sketches is None:
+        return None, lambda _: None
+    seed, tops, projections = sketches
+    read = values(body, want_cts)
+
+    def at_iteration(sk: Any) -> dict:
+        tops, projections = sk  # (m,), (m, K)
+        return {v: (seed + k, (tops[k], projections[k])) for k, v in enumerate(read)}
+
+    return (tops, projections), at_iteration
 
 
 def sketched(schedule: Any) -> list:
