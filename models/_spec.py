@@ -56,6 +56,8 @@ class LayerStack:
         its output instead of saving it); None: inputs are saved.
       save_every: save the input of every k-th layer only and recompute a segment's inputs in
         the backward (:func:`remat_nn.fused_update_step`'s ``save_every``); None: every input.
+      fallback: with ``backward``, what a layer whose rebuilt input drifted gets
+        (:func:`remat_nn.fused_update_step`'s ``fallback``: the model's ``drift_fallback``).
     """
 
     key: str
@@ -64,6 +66,7 @@ class LayerStack:
     head: Callable[[Any, Any], Any]
     backward: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None = None
     save_every: int | None = None
+    fallback: str = "error"
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,13 @@ class ModelSpec:
 
 
 def coupling_stage(
-    key: str, block: Any, *, reversible: bool, before: Any = None, collection: str | None = None
+    key: str,
+    block: Any,
+    *,
+    reversible: bool,
+    before: Any = None,
+    collection: str | None = None,
+    fallback: str = "error",
 ) -> rn.FusedStage:
     """A stage whose stack is a reversible sequence's couplings, as the models store them: each
     layer's parameters at ``params[key]["layers"]``, its state at ``stats[key]["layers"]``.
@@ -159,6 +168,8 @@ def coupling_stage(
       before: the stage's non-stacked unit (``rn.FusedStage.before``).
       collection: the collection the block reads its state under (linen's ``"batch_stats"``);
         None: the block takes the state as it is (NNX's pure dicts).
+      fallback: what a layer whose rebuilt input drifted gets (``rn.FusedStage.fallback``: the
+        model's ``drift_fallback``, as its reversible sequence runs it).
     """
     wrap = (lambda c: c) if collection is None else (lambda c: {collection: c})
     unwrap = (lambda new: new) if collection is None else (lambda new: new[collection])
@@ -171,7 +182,9 @@ def coupling_stage(
         h, dp, dh = block.backward(p["layers"], wrap(c["layers"]), y, dy)
         return h, {"layers": dp}, dh
 
-    return rn.FusedStage(key, layer, before=before, backward=backward if reversible else None)
+    return rn.FusedStage(
+        key, layer, before=before, backward=backward if reversible else None, fallback=fallback
+    )
 
 
 def remat_name(

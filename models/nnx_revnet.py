@@ -71,6 +71,9 @@ class NNXRevNet(nnx.Module):
       num_classes: outputs of the head.
       in_channels: channels of the input images.
       reversible: ``False``: the same network with plain autodiff through the stages.
+      drift_fallback: ``fallback`` of the reversible stages (``rnnx.ReversibleSequence``): a
+        coupling whose rebuilt input drifted past its measured tolerance raises (``"error"``),
+        is recomputed (``"recompute"``, more temporary memory) or is not checked (``"none"``).
       remat: the downsampling unit's plan (a ``remat_nn.Plan`` or a remat_nn policy name;
         None: no remat).
       dtype: compute dtype (parameters stay float32).
@@ -87,6 +90,7 @@ class NNXRevNet(nnx.Module):
         reversible: bool = True,
         remat: rn.Plan | str | None = None,
         dtype: Any = jnp.float32,
+        drift_fallback: str = "error",
         rngs: nnx.Rngs,
     ) -> None:
         def stage(channels: int) -> rnnx.ReversibleSequence:
@@ -98,7 +102,9 @@ class NNXRevNet(nnx.Module):
                     _BNReLUConv(half, dtype=dtype, rngs=rngs),
                 )
 
-            return rnnx.ReversibleSequence(coupling, depth, reversible=reversible, rngs=rngs)
+            return rnnx.ReversibleSequence(
+                coupling, depth, reversible=reversible, fallback=drift_fallback, rngs=rngs
+            )
 
         self.stem = nnx.Conv(in_channels, width, (3, 3), dtype=dtype, rngs=rngs)
         self.stage1 = stage(width)
@@ -199,7 +205,9 @@ def _coupling_stage(
 ) -> rn.FusedStage:
     """A stage's stack of couplings as its ``ReversibleSequence`` runs them, in training mode."""
     block = rnnx.coupling_layer(sequence, train=True)
-    return coupling_stage(key, block, reversible=sequence.reversible, before=before)
+    return coupling_stage(
+        key, block, reversible=sequence.reversible, before=before, fallback=sequence.fallback
+    )
 
 
 # --- registry ---------------------------------------------------------------------------------
@@ -217,6 +225,12 @@ class NNXRevNetOptions(pydantic.BaseModel):
     in_channels: pydantic.PositiveInt = 1
     reversible: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
+    drift_fallback: Literal["error", "recompute", "none"] = pydantic.Field(
+        "error",
+        description="a coupling whose input, rebuilt in the backward pass, drifted past its "
+        "measured tolerance: error (stop the step: NotInvertibleError), recompute (from the "
+        "stage's kept input; more temporary memory) or none (no check)",
+    )
     remat: str | dict[str, Any] | pydantic.InstanceOf[rn.Plan] | None = pydantic.Field(
         None,
         validate_default=True,
@@ -256,6 +270,7 @@ def build(
     in_channels: int = 1,
     reversible: bool = True,
     dtype: str = "float32",
+    drift_fallback: str = "error",
     remat: str | Mapping[str, Any] | rn.Plan | None = None,
     **_: Any,
 ) -> Any:
@@ -280,6 +295,7 @@ def build(
         reversible=reversible,
         remat=plan,
         dtype=jnp.dtype(dtype),
+        drift_fallback=drift_fallback,
     )
 
 

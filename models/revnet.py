@@ -271,7 +271,12 @@ def _coupling_stage(o: RevNet, key: str, width: int, before: Any) -> rn.FusedSta
         train=True,
     )
     return coupling_stage(
-        key, block, reversible=o.reversible, before=before, collection="batch_stats"
+        key,
+        block,
+        reversible=o.reversible,
+        before=before,
+        collection="batch_stats",
+        fallback=o.drift_fallback,
     )
 
 
@@ -294,7 +299,7 @@ class RevNetOptions(_ImageOptions):
         "error",
         description="a reversible unit whose input, rebuilt in the backward pass, drifted past "
         "its measured tolerance: error (stop the step: NotInvertibleError), recompute (from the "
-        "nearest kept input; the compiled backward holds about twice the temporary memory) or "
+        "nearest kept input; the compiled backward holds more temporary memory) or "
         "none (no check)",
     )
 

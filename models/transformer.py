@@ -697,7 +697,12 @@ def _reversible_layer_stack(
         return head(rest, (y1 + y2) / 2)
 
     return LayerStack(
-        "blocks", embed_pair, layer, head_pair, backward=backward if o.reconstruct else None
+        "blocks",
+        embed_pair,
+        layer,
+        head_pair,
+        backward=backward if o.reconstruct else None,
+        fallback=o.drift_fallback,
     )
 
 

@@ -330,7 +330,7 @@ projections kept in the forward pass), so its gradient would be wrong. The stack
 rounding error when inverted: its activations grow or its blocks are nearly singular. Fix: \
 anchor_every=k (keep every k-th layer's input), normalized branches (LayerNorm), a wider \
 recon_dtype; fallback="recompute" (recompute a drifted layer's input from the nearest kept \
-value: the compiled backward then holds about twice the temporary memory); or reversible=False."""
+value: the compiled backward then holds more temporary memory); or reversible=False."""
 
 
 def _recomputed(layer) -> None:

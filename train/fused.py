@@ -12,6 +12,7 @@ cannot run with.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -215,6 +216,7 @@ def _stack_step(
         norms=True,
         backward_fn=parts.backward and _cast_backward(parts.backward, compute_dtype),
         save_every=parts.save_every,
+        fallback=parts.fallback,
         clip_norm=clip_norm,
     )
 
@@ -244,14 +246,15 @@ def _stages_step(
         return _loss_head(loss, outputs, batch), stats
 
     def stage(s: rn.FusedStage) -> rn.FusedStage:
-        before = s.before
-        return rn.FusedStage(
-            s.key,
-            lambda p, c, h: s.layer(cast(p), c, h),
+        before, inverse, backward = s.before, s.inverse, s.backward
+        # The stage as the model gave it (its save_every, drift_rtol and fallback), computing
+        # in compute_dtype.
+        return dataclasses.replace(
+            s,
+            layer=lambda p, c, h: s.layer(cast(p), c, h),
             before=None if before is None else lambda r, c, h: before(cast(r), c, h),
-            inverse=None if s.inverse is None else lambda p, c, y: s.inverse(cast(p), c, y),
-            backward=None if s.backward is None else _cast_backward(s.backward, compute_dtype),
-            save_every=s.save_every,
+            inverse=None if inverse is None else lambda p, c, y: inverse(cast(p), c, y),
+            backward=None if backward is None else _cast_backward(backward, compute_dtype),
         )
 
     return rn.fused_update_stages(

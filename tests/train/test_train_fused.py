@@ -546,3 +546,36 @@ def test_resnet_fused_step_on_an_fsdp_mesh_equals_one_device(tmp_path):
     )
     print(f"resnet fused step, fsdp=2 x data=4 vs one device, after 3 steps: rel err {err:.3g}")
     assert err <= 1e-4
+
+
+def _family_model(family: str, fallback: str):
+    from models import nnx_revnet, revnet
+
+    if family == "transformer":
+        return _model(reversible=True, drift_fallback=fallback)
+    if family == "revnet":
+        return revnet.RevNet(revnet.ARCHS["revnet38"].scaled(0.25), drift_fallback=fallback)
+    return nnx_revnet.build(width=4, depth=2, drift_fallback=fallback)
+
+
+@pytest.mark.parametrize("fallback", ["none", "recompute", "error"])
+@pytest.mark.parametrize("family", ["transformer", "revnet", "nnx_revnet"])
+def test_the_models_drift_fallback_is_what_the_fused_step_runs(family, fallback, monkeypatch):
+    """``model.options.drift_fallback`` reaches ``rn.fused_update_step`` /
+    ``rn.fused_update_stages`` through the model's stacks and the trainer (it once stopped at
+    both: every fused step ran the default ``"error"``, whatever the model said)."""
+    seen = []
+
+    def step(*args, fallback="error", **kwargs):
+        seen.append(fallback)
+
+    def stages(embed, stages, *args, **kwargs):
+        seen.extend(s.fallback for s in stages if s.backward is not None or s.inverse is not None)
+
+    monkeypatch.setattr(rn, "fused_update_step", step)
+    monkeypatch.setattr(rn, "fused_update_stages", stages)
+    model = _family_model(family, fallback)
+    parts = fused_lib._parts(models.get(family), model)
+    tx, schedule = state_lib.make_optimizer(Optim(), 10)
+    fused_lib.make_fused_train_step(parts, tx, schedule, compute_dtype=jnp.float32)
+    assert seen and set(seen) == {fallback}, seen
