@@ -7,8 +7,9 @@ coupling stack as a ``lax.scan`` was refused from depth 8, and from depth 2 with
 the branches). So, as it does for the values of the walked function itself (``_walk.sketched``),
 the forward pass keeps at every iteration a sketch of each body value the body's walk derives
 from a rebuilt one (``_sketch``: ``max|x|`` and ``K`` int32 projections: ``K + 1`` numbers per
-value and iteration), and the reverse scan gives that iteration's sketches to the body's walk,
-which caps each rebuilt value's error by the drift measured against its sketch.
+value and iteration; by ``_sketch``'s grid projection, which makes no ``(K, n)`` transient), and
+the reverse scan gives that iteration's sketches to the body's walk, which caps each rebuilt
+value's error by the drift measured against its sketch.
 
 Only scans at the top level of the walked function are sketched (a scan in a scan's body keeps
 its bounds); a scan whose body has no checked inversion has no bound to cap and runs as it is.
@@ -45,7 +46,7 @@ def forward(
 
     def step(carry, x):
         outs, found = eval_jaxpr(body, [*body_consts, *consts, *carry, *x], values)
-        sketches = [_sketch.sketch(v, seed + k) for k, v in enumerate(found)]
+        sketches = [_sketch.sketch(v, _sketch.Grid(seed + k)) for k, v in enumerate(found)]
         tops = jnp.stack([t for t, _ in sketches])
         projections = jnp.stack([p for _, p in sketches])
         return list(outs[:num_carry]), (list(outs[num_carry:]), (tops, projections))
@@ -75,7 +76,7 @@ def per_iteration(
 
     def at_iteration(sk: Any) -> dict:
         tops, projections = sk  # (m,), (m, K)
-        return {v: (seed + k, (tops[k], projections[k])) for k, v in enumerate(read)}
+        return {v: (_sketch.Grid(seed + k), (tops[k], projections[k])) for k, v in enumerate(read)}
 
     return (tops, projections), at_iteration
 
