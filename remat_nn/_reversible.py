@@ -338,16 +338,14 @@ def _recomputed(layer) -> None:
 
 
 def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
-    """``(rebuilt, drifted)``: ``rebuilt`` (``(x, dp, dx)`` of layer ``i``) if its ``x`` passes
-    the drift check against the forward's sketch ``ref``; else, by ``check.fallback``,
-    recomputed from the kept start (``"recompute"``), an error (``"error"``) or returned as it
-    is, flagged (``"flag"``)."""
+    """``(rebuilt, drifted, drift)``: ``rebuilt`` (``(x, dp, dx)`` of layer ``i``) if its ``x``
+    passes the drift check against the forward's sketch ``ref``; else, by ``check.fallback``,
+    recomputed from the kept start (``"recompute"``) or returned as it is, flagged
+    (``"flag"``: the caller refuses or reruns once for the whole stack)."""
     drift = _drift.drift(rebuilt[0], ref)
     bad = ~(drift <= check.rtol)  # nan (a non-finite rebuilt value) fails
-    if check.fallback == "error":
-        _drift.refuse_if(bad, _DRIFTED, check.offset + i, drift, check.rtol)
     if check.fallback != "recompute":
-        return rebuilt, bad
+        return rebuilt, bad, drift
 
     def recompute(params, consts, start, i, layer, p, c, dy):
         jax.debug.callback(_recomputed, layer)
@@ -356,15 +354,28 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
 
     # p and c: the layer's own, tied as the main path's (under shard_map, of the same types).
     args = (params, consts, check.start, i, check.offset + i, p, c, dy)
-    return _drift.when(bad, recompute, args, rebuilt), bad
+    return _drift.when(bad, recompute, args, rebuilt), bad, drift
+
+
+#: No layer drifted: ``(layer, its drift)`` of the first that did, as the backward carries it.
+_NONE_DRIFTED = (-1, 0.0)
+
+
+def _first(first, bad, layer, drift):
+    """The first drifted layer and its drift: ``first``, or ``(layer, drift)`` if it is none
+    and ``bad``."""
+    take = bad & (first[0] < 0)
+    layer, drift = jnp.asarray(layer, jnp.int32), jnp.asarray(drift, jnp.float32)
+    return jnp.where(take, layer, first[0]), jnp.where(take, drift, first[1])
 
 
 def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, check=None):
-    """``(dx, dparams, drifted)``: the reverse scan over layers; ``drifted`` is whether some
-    layer's rebuilt input failed ``check`` (``False`` without one)."""
+    """``(dx, dparams, first)``: the reverse scan over layers; ``first`` is ``(layer, drift)``
+    of the first layer (in the backward's order) whose rebuilt input failed ``check``
+    (:data:`_NONE_DRIFTED` if none, or without a check)."""
 
     def step(carry, layer):
-        y, dy, after, drifted = carry
+        y, dy, after, first = carry
         (p, c), i, ref = layer
         # This block's parameters are tied to the previous step's gradients, so its
         # reconstruction cannot start before that step's backward is done: unrolled, XLA would
@@ -375,19 +386,20 @@ def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, chec
         x, dp, dx = _block_vjp(block, p, c, y, dy)
         if check is not None:
             rebuilt = (x, dp, dx)
-            (x, dp, dx), bad = _checked(block, params, consts, check, p, c, dy, i, ref, rebuilt)
-            drifted = drifted | bad
+            (x, dp, dx), bad, drift = _checked(
+                block, params, consts, check, p, c, dy, i, ref, rebuilt
+            )
+            first = _first(first, bad, check.offset + i, drift)
         dx = _cast(dx, jax.tree.map(lambda a: a.dtype, dy))
-        return (x, dx, zero_after((dp, dx), after.dtype), drifted), dp
+        return (x, dx, zero_after((dp, dx), after.dtype), first), dp
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
-    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), jnp.zeros((), bool))
+    none = (jnp.int32(_NONE_DRIFTED[0]), jnp.float32(_NONE_DRIFTED[1]))
+    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), none)
     depth = _depth(params, consts)
     layers = ((params, consts), jnp.arange(depth), None if check is None else check.sketches)
-    (_, dx, _, drifted), dparams = _named_axes.scan(
-        step, carry, layers, reverse=True, unroll=unroll
-    )
-    return dx, dparams, drifted
+    (_, dx, _, first), dparams = _named_axes.scan(step, carry, layers, reverse=True, unroll=unroll)
+    return dx, dparams, first
 
 
 def _validate_anchor(anchor_every: int | None, depth: int) -> int:
@@ -485,17 +497,24 @@ class _Stack(NamedTuple):
     def backward(self, params, consts, y, starts, sketches, dy):
         """``(dx, dparams)``."""
         args = (params, consts, y, starts, sketches, dy)
+        if self.fallback == "error":
+            # Flagged in the loop and refused once at the end: a conditional per layer cost
+            # RevNet-38's step 11% (an unrolled stack's conditionals break its stream of ops).
+            dx, dparams, (layer, drift) = self.backward_with(*args, mode="flag", unroll=self.unroll)
+            _drift.refuse_if(layer >= 0, _DRIFTED, layer, drift, self.rtol)
+            return dx, dparams
         if self.fallback != "recompute" or self.unroll is not True:
             return self.backward_with(*args, mode=self.fallback, unroll=self.unroll)[:2]
         # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
         # of its own (memory growing with depth): the unrolled backward only flags drift, and
         # if a layer drifted, the backward runs again rolled, recomputing where needed.
-        dx, dparams, drifted = self.backward_with(*args, mode="flag", unroll=True)
+        dx, dparams, (layer, _) = self.backward_with(*args, mode="flag", unroll=True)
         rolled = lambda *a: self.backward_with(*a, mode="recompute", unroll=1)[:2]  # noqa: E731
-        return _drift.when(drifted, rolled, args, (dx, dparams))
+        return _drift.when(layer >= 0, rolled, args, (dx, dparams))
 
     def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):
-        """``(dx, dparams, drifted)`` with the drift check in ``mode``."""
+        """``(dx, dparams, first)`` with the drift check in ``mode`` (``first``: see
+        :func:`_backward_layers`)."""
 
         def check(sk, start, offset):
             return None if self.fallback == "none" else _Check(mode, self.rtol, sk, start, offset)
@@ -506,11 +525,11 @@ class _Stack(NamedTuple):
             return _backward_layers(block, params, consts, y, dy, unroll, chk)
 
         def segment(carry, seg):
-            dy, drifted = carry
+            dy, first = carry
             p, c, end, start, sk, s = seg
             chk = check(sk, start, s * (_depth(params, consts) // num_segments))
-            dx, dp, bad = _backward_layers(block, p, c, end, dy, unroll, chk)
-            return (dx, drifted | bad), dp
+            dx, dp, seg_first = _backward_layers(block, p, c, end, dy, unroll, chk)
+            return (dx, _first(first, seg_first[0] >= 0, *seg_first)), dp
 
         anchors = jax.tree.map(lambda a: a[1:], starts) if self.keep_starts else starts
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
@@ -522,9 +541,9 @@ class _Stack(NamedTuple):
             sketches,
             jnp.arange(num_segments),
         )
-        init = (dy, jnp.zeros((), bool))
-        (dx, drifted), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
-        return dx, _unsegment(dparams), drifted
+        init = (dy, (jnp.int32(_NONE_DRIFTED[0]), jnp.float32(_NONE_DRIFTED[1])))
+        (dx, first), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
+        return dx, _unsegment(dparams), first
 
 
 def _make_reversible(stack: _Stack) -> Callable:

@@ -274,12 +274,13 @@ def test_float32_stream_reconstructs_as_plain_autodiff_at_any_depth(family):
 
 
 def _scan_carry_dtypes(jaxpr: Any, found: set[str]) -> set[str]:
-    """Dtypes of the floating loop-carried values of every scan in ``jaxpr`` and its bodies."""
+    """Dtypes of the floating loop-carried arrays of every scan in ``jaxpr`` and its bodies
+    (scalars, such as the drift check's record of the first drifted layer, are not a stream)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             first = eqn.params["num_consts"]
             for var in eqn.invars[first : first + eqn.params["num_carry"]]:
-                if jnp.issubdtype(var.aval.dtype, jnp.floating):
+                if jnp.issubdtype(var.aval.dtype, jnp.floating) and var.aval.ndim > 0:
                     found.add(str(var.aval.dtype))
         for sub in sub_jaxprs(eqn):
             _scan_carry_dtypes(sub, found)
