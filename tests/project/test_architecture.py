@@ -25,12 +25,19 @@ LONG_FUNCTIONS: dict[str, str] = {
 }
 _ANALYSIS = "the invertible benchmark times rn.invertible's analysis itself, apart from tracing"
 _JAX = "remat_nn._jax_internals is the one module that imports JAX's private API; not re-exported"
+_SKETCHES = (
+    "the invertible benchmark's memory target: how many bytes the forward pass's sketches take "
+    "(which values rn.invertible sketches, and their size), to tell them from a stored "
+    "activation; a measuring tool"
+)
 PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
     # (importing package, imported private module or name): why
     ("benchmarks", "remat_nn.invertible._analysis.analyze"): _ANALYSIS,
     ("benchmarks", "remat_nn.invertible._api._trace"): _ANALYSIS,
     ("benchmarks", "remat_nn.invertible._api"): "the drift table (invertible_drift) measures the "
     "walk's gradient where its checks refuse it, by staging no check: a measuring tool",
+    ("benchmarks", "remat_nn.invertible._sketch"): _SKETCHES,
+    ("benchmarks", "remat_nn.invertible._scan_sketch.sketched"): _SKETCHES,
     ("benchmarks", "remat_nn._timing.timing_rounds"): "one implementation of paired timing rounds "
     "(the planner's race and the benchmarks); a measuring tool, not part of the library's API",
     ("models", "remat_nn._jax_internals.saved_residuals"): _JAX,
