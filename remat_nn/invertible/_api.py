@@ -23,9 +23,9 @@ from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._scan_sketch import sketched
 from remat_nn.invertible._walk import (
-    SCAN_KEY,
     WalkSchedule,
     execute,
+    scan_key,
     sketched_scans,
     stop_on_failed_check,
 )
@@ -162,19 +162,19 @@ def _scan_seeds(schedule: WalkSchedule) -> dict[int, tuple[int, Any, list]]:
 
 def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, Any]:
     """The outputs, and the sketches of the values ``schedule`` derives from rebuilt ones
-    (``_walk.sketched``; value ``k`` with seed ``k``) packed in two arrays, whatever the depth:
-    ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if there are none); and
+    (``_scan_sketch.sketched``; value ``k`` with seed ``k``) packed in two arrays, whatever
+    the depth: ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if none); and
     the per-iteration sketches inside the scans it undoes (``_scan_sketch``), by equation."""
     analysis = schedule.analysis
     jaxpr, values = analysis.jaxpr, sketched(schedule)
-    carries: dict[int, Any] = {}
+    in_scans: dict[int, Any] = {}
 
     def sketching(i: int, seed: int, body: Any, body_values: list) -> Callable[[list], list]:
         def run(ins: list) -> list:
             outs, (_, tops, projections) = _scan_sketch.forward(
                 jaxpr.eqns[i], body, body_values, ins, seed
             )
-            carries[i] = (tops, projections)
+            in_scans[i] = (tops, projections)
             return outs
 
         return run
@@ -182,7 +182,7 @@ def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, A
     runs = {i: sketching(i, *sv) for i, sv in _scan_seeds(schedule).items()}
     outs, found = eval_jaxpr(jaxpr, ins, values, runs)
     if not values:
-        return outs, (None, carries)
+        return outs, (None, in_scans)
     made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     tops = jnp.zeros((len(values),), jnp.float32)
     projections = jnp.zeros((len(values), _sketch.K), jnp.int32)
@@ -194,20 +194,20 @@ def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, A
         top, projection = _sketch.sketch(x, k)
         tops, projections = tops.at[k].set(top), projections.at[k].set(projection)
         last = top
-    return outs, ((tops, projections), carries)
+    return outs, ((tops, projections), in_scans)
 
 
 def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
     """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> (seed,
-    sketch), and ``SCAN_KEY(i)`` -> a scan's per-iteration sketches
+    sketch), and ``scan_key(i)`` -> a scan's per-iteration sketches
     (``_scan_sketch.ScanSketches``)."""
-    values, carries = packed
+    values, in_scans = packed
     out: dict[Any, Any] = {}
     if values is not None:
         tops, projections = values
         out = {v: (k, (tops[k], projections[k])) for k, v in enumerate(sketched(schedule))}
     for i, (seed, _, _) in _scan_seeds(schedule).items():
-        out[SCAN_KEY(i)] = (seed, *carries[i])
+        out[scan_key(i)] = (seed, *in_scans[i])
     return out
 
 

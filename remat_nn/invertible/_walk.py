@@ -229,8 +229,8 @@ def _set_frees(analysis: Walkable, steps: list[Step]) -> None:
         step.free = tuple(free)
 
 
-def SCAN_KEY(eqn: int) -> tuple[str, int]:  # noqa: N802 -- a key maker, read as a constant
-    """The key of a scan's per-iteration carry sketches among a walk's sketches."""
+def scan_key(eqn: int) -> tuple[str, int]:
+    """The key of a scan's per-iteration sketches among a walk's sketches."""
     return ("scan", eqn)
 
 
@@ -339,7 +339,7 @@ class _State:
         outs = [env[v] for v in reads]
         couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
         errs = self.known_errs(eqn, d.unknown, reads)
-        scan_sketches = self.sketches.get(SCAN_KEY(step.eqn))
+        scan_sketches = self.sketches.get(scan_key(step.eqn))
         extra = {} if scan_sketches is None else {"sketches": scan_sketches}
         rebuilt, in_cts, result, new_errs = rule.run(
             eqn, d.assessment, ins, outs, couts, execute, errs, **extra
