@@ -357,8 +357,10 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
     return _drift.when(bad, recompute, args, rebuilt), bad, drift
 
 
-#: No layer drifted: ``(layer, its drift)`` of the first that did, as the backward carries it.
-_NONE_DRIFTED = (-1, 0.0)
+def _none_drifted() -> tuple[jax.Array, jax.Array]:
+    """No layer drifted: ``(layer, its drift)`` of the first that did, as the backward carries
+    it (layer -1)."""
+    return jnp.int32(-1), jnp.float32(0.0)
 
 
 def _first(first, bad, layer, drift):
@@ -372,7 +374,7 @@ def _first(first, bad, layer, drift):
 def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, check=None):
     """``(dx, dparams, first)``: the reverse scan over layers; ``first`` is ``(layer, drift)``
     of the first layer (in the backward's order) whose rebuilt input failed ``check``
-    (:data:`_NONE_DRIFTED` if none, or without a check)."""
+    (:func:`_none_drifted` if none, or without a check)."""
 
     def step(carry, layer):
         y, dy, after, first = carry
@@ -394,8 +396,7 @@ def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, chec
         return (x, dx, zero_after((dp, dx), after.dtype), first), dp
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
-    none = (jnp.int32(_NONE_DRIFTED[0]), jnp.float32(_NONE_DRIFTED[1]))
-    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), none)
+    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), _none_drifted())
     depth = _depth(params, consts)
     layers = ((params, consts), jnp.arange(depth), None if check is None else check.sketches)
     (_, dx, _, first), dparams = _named_axes.scan(step, carry, layers, reverse=True, unroll=unroll)
@@ -541,7 +542,7 @@ class _Stack(NamedTuple):
             sketches,
             jnp.arange(num_segments),
         )
-        init = (dy, (jnp.int32(_NONE_DRIFTED[0]), jnp.float32(_NONE_DRIFTED[1])))
+        init = (dy, _none_drifted())
         (dx, first), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
         return dx, _unsegment(dparams), first
 

@@ -4,7 +4,7 @@ The walk undoes a ``scan`` by a reverse scan that walks its body once per iterat
 (``ScanRule``), carrying each rebuilt value's error bound through the body's equations and from
 iteration to iteration. Bounds compound far faster than the real error (#44: the canonical
 coupling stack as a ``lax.scan`` was refused from depth 8, and from depth 2 with LayerNorm in
-the branches). So, as it does for the values of the walked function itself (``_walk.sketched``),
+the branches). So, as it does for the values of the walked function itself (:func:`sketched`),
 the forward pass keeps at every iteration a sketch of each body value the body's walk derives
 from a rebuilt one (``_sketch``: ``max|x|`` and ``K`` int32 projections: ``K + 1`` numbers per
 value and iteration; by ``_sketch``'s grid projection, which makes no ``(K, n)`` transient), and
