@@ -21,8 +21,10 @@ of a sum of ``n`` terms, at most about ``eps * sqrt(n)`` relative and in practic
 (measured for float32 on CPU, ``n`` from 2^11 to 2^22: 6e-8 to 1.8e-7). Sketches of float64
 values are computed in float64. A value rebuilt in 16-bit floats has a floor of that format's
 ``eps``. The default tolerance (:func:`default_rtol`) sits far above
-the floor: ``EPS_MULTIPLE`` (8192) times the rebuilt value's machine epsilon.
-``recon_dtype=jnp.float32`` keeps a 16-bit stack's reconstruction in float32.
+the floor: ``EPS_MULTIPLE`` (2048) times the machine epsilon of the narrowest float the rebuilt
+value or the layer that rebuilds it computes in (a float32 stream whose branches compute in
+bfloat16 is rebuilt to bfloat16 precision, and its gradient is that precise too), capped at
+0.1. ``recon_dtype=jnp.float32`` keeps a 16-bit stack's reconstruction in float32.
 
 Cost, per checked value: ``k + 2`` float32 numbers kept, and ``2 k`` flops per element in each
 pass (a matmul with sign matrices of ``O(k sqrt(n))`` numbers); measured on RevNet-38 and a dense
@@ -35,7 +37,7 @@ import collections
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -65,12 +67,13 @@ __all__ = [
 PyTree = Any
 
 NUM_PROJECTIONS = 8
-#: The default tolerance, in units of the rebuilt value's machine epsilon: float32 9.8e-4. Set
-#: by the RevNet-38 trainer run (its first rebuilt stage input drifts by 1.1e-4 at init, and
-#: its gradient is then within 5x of plain autodiff's own float32 error against float64); a
-#: drift below it can still cost the gradient about a quarter of it (measured on unnormalized
-#: coupling stacks: see docs/invertible.md), so a user who needs more sets ``drift_rtol``.
-EPS_MULTIPLE = 8192
+#: The default tolerance, in units of machine epsilon: float32 2.4e-4. Measured on the
+#: canonical-stacks matrix (benchmarks/results/invertible.md): a float32 stack's gradient error
+#: was 0.2x to 14x its largest measured layer drift, and the two affine stacks that drifted by
+#: 5.4e-4 and 6.5e-4 gave gradients 146x and 119x further from float64 than plain autodiff's
+#: (8192 epsilons, 9.8e-4, accepted them); the RevNet-38 trainer run's largest drift, at init,
+#: is 1.2e-4 (then below 1e-5). A user who needs more sets ``drift_rtol``.
+EPS_MULTIPLE = 2048
 #: The name scope of the projections' equations (``train.dtypes`` leaves their float32
 #: matmuls out of its count of the model's matmuls).
 SCOPE = "drift_projections"
@@ -125,10 +128,11 @@ def _dtype(tree: PyTree) -> Any:
     return jnp.result_type(jnp.float32, *(jnp.result_type(a) for a in jax.tree.leaves(tree)))
 
 
-def default_rtol(tree: PyTree) -> float:
-    """:data:`EPS_MULTIPLE` times the machine epsilon of ``tree``'s widest float dtype (float32:
-    9.8e-4, float64: 1.8e-12, 16-bit floats: capped at 0.1)."""
-    dtypes = [jnp.result_type(a) for a in jax.tree.leaves(tree)]
+def default_rtol(tree: PyTree, computes: Iterable[Any] = ()) -> float:
+    """:data:`EPS_MULTIPLE` times the machine epsilon of the narrowest float dtype among
+    ``tree``'s and ``computes`` (the dtypes the layer that rebuilds ``tree`` computes in):
+    float32 2.4e-4, float64 4.5e-13, 16-bit floats capped at 0.1."""
+    dtypes = [jnp.result_type(a) for a in jax.tree.leaves(tree)] + list(computes)
     eps = max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.floating))
     return min(EPS_MULTIPLE * eps, 0.1)
 
@@ -217,7 +221,7 @@ def validate(fn: str, fallback: Any, rtol: Any) -> None:
         raise ValueError(
             f"{fn}: `drift_rtol` must be a positive number or None, got {rtol!r}. Fix: "
             f"drift_rtol=None (the default: {EPS_MULTIPLE} times the stream's machine epsilon, "
-            "float32 9.8e-4) or e.g. drift_rtol=1e-5 (relative 2-norm drift of a rebuilt value)."
+            "float32 2.4e-4) or e.g. drift_rtol=1e-5 (relative 2-norm drift of a rebuilt value)."
         )
 
 

@@ -125,7 +125,7 @@ def fused_update_step(
       drift_rtol, fallback: with ``inverse_fn`` / ``backward_fn``, every rebuilt layer input is
         measured against random projections the forward keeps of it (10 floats per layer), as
         in :func:`remat_nn.reversible_scan`: a layer whose input drifted past ``drift_rtol``
-        (``None``: 8192 times the input's machine epsilon) raises ``NotInvertibleError``
+        (``None``: 2048 times the input's machine epsilon) raises ``NotInvertibleError``
         (``"error"``, default), or is recomputed forward from the stack's input (kept for this)
         and its VJP taken there (``"recompute"``: XLA then reserves the recompute branch's
         buffers too); ``"none"`` checks nothing.

@@ -427,6 +427,31 @@ def _convolves(jaxpr: Any) -> bool:
     )
 
 
+def _layer_jaxpr(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree) -> Any:
+    """The jaxpr of one block's forward (layer 0's shapes; nothing is compiled)."""
+    shape = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)  # noqa: E731
+    layer = jax.tree.map(shape, (params, consts))
+    xs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
+    return jax.make_jaxpr(block.forward)(*layer, xs).jaxpr
+
+
+def _float_dtypes(jaxpr: Any) -> set[Any]:
+    """The float dtypes of the values ``jaxpr`` computes (its sub-jaxprs' included)."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {v.aval.dtype for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        for sub in sub_jaxprs(eqn):
+            out |= _float_dtypes(sub)
+    return out
+
+
+def _default_rtol(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree) -> float:
+    """The drift tolerance of a stack whose stream is ``x``: :func:`remat_nn._drift.default_rtol`
+    of the stream and of what its blocks compute in (bfloat16 branches rebuild a float32 stream
+    to bfloat16 precision only, and plain autodiff's gradient is no more precise)."""
+    return _drift.default_rtol(x, _float_dtypes(_layer_jaxpr(block, params, consts, x)))
+
+
 def _unroll(
     unroll: int | bool | None,
     fn: str,
@@ -447,10 +472,7 @@ def _unroll(
     if unroll is None:
         if jax.default_backend() != "cpu":
             return 1
-        shape = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)  # noqa: E731
-        layer = jax.tree.map(shape, (params, consts))
-        xs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)
-        return _convolves(jax.make_jaxpr(block.forward)(*layer, xs).jaxpr) or 1
+        return _convolves(_layer_jaxpr(block, params, consts, x)) or 1
     if isinstance(unroll, bool) or (isinstance(unroll, int) and unroll >= 1):
         return unroll
     raise ValueError(
@@ -624,11 +646,12 @@ def reversible_scan(
       drift_rtol: the largest relative drift (2-norm error over 2-norm) a rebuilt layer input
         may have. The forward keeps ``k + 2`` floats per layer (random projections of the
         layer's input, :mod:`remat_nn._drift`), and the backward measures every rebuilt input
-        against them: the actual error, not a bound. ``None`` (default): 8192 times the
-        stream's machine epsilon (float32: 9.8e-4; the projections' own rounding is about
-        1e-7). A drift below it can still cost the gradient about a quarter of it (an
-        unnormalized stack: a 300x larger error than plain autodiff's): pass a smaller one
-        (down to about 1e-6 in float32) for a tighter check.
+        against them: the actual error, not a bound. ``None`` (default): 2048 times the
+        machine epsilon of the narrowest float the stream or the block computes in (float32:
+        2.4e-4; bfloat16 branches on a float32 stream: 0.1; the projections' own rounding is
+        about 1e-7). A float32 stack's gradient error was 0.2x to 14x its largest layer drift
+        on the canonical-stacks matrix: pass a smaller one (down to about 1e-6 in float32)
+        for a tighter check.
       fallback: what a layer whose rebuilt input drifted past ``drift_rtol`` gets:
         ``"error"`` (default): :class:`remat_nn.NotInvertibleError` at run time (one host
         callback, staged in a branch that runs only then). ``"recompute"``: its input is
@@ -670,8 +693,9 @@ def reversible_scan(
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
     unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
-    rtol = _drift.default_rtol(stream) if drift_rtol is None else float(drift_rtol)
-    run = _make_reversible(_Stack(block, num_segments, unroll, fallback, rtol))
+    if drift_rtol is None:  # fallback="none" checks nothing: no tolerance to work out
+        drift_rtol = 0.0 if fallback == "none" else _default_rtol(block, params, consts, stream)
+    run = _make_reversible(_Stack(block, num_segments, unroll, fallback, float(drift_rtol)))
     y, new_consts = run(params, consts, stream)
     return _cast(y, dtypes), new_consts
 

@@ -574,6 +574,47 @@ def test_a_growing_stack_no_longer_diverges_silently(depth, caplog):
     assert not [r for r in caplog.records if "callback failed" in r.getMessage()]
 
 
+def _scaling_block(off: float, dtype: Any) -> rn.ReversibleBlock:
+    """``y = x * exp(p)``, its factor computed in ``dtype``, and an inverse whose rebuilt
+    input is off by ``off`` of its norm."""
+    factor = lambda p: jnp.exp(p.astype(dtype)).astype(jnp.float32)  # noqa: E731
+    return rn.ReversibleBlock(
+        lambda p, c, x: (x * factor(p), c),
+        lambda p, c, y: y / factor(p) * (1 + off),
+    )
+
+
+@pytest.mark.parametrize(
+    ("off", "dtype", "refused"),
+    [
+        (1e-4, jnp.float32, False),
+        # 5e-4: between the default (2048 float32 epsilons, 2.4e-4) and the 9.8e-4 that let two
+        # affine stacks of the canonical matrix through with 119x and 146x plain autodiff's
+        # error (benchmarks/results/invertible.md).
+        (5e-4, jnp.float32, True),
+        (2e-2, jnp.float32, True),
+        # A block that computes in bfloat16 rebuilds its input to that precision only (a
+        # branch's output off by one bfloat16 rounding, 4e-3), and plain autodiff's gradient
+        # is no more precise: checked against 0.1.
+        (2e-2, jnp.bfloat16, False),
+        (0.2, jnp.bfloat16, True),
+    ],
+)
+def test_the_default_tolerance_reads_the_precision_the_blocks_compute_in(off, dtype, refused):
+    block = _scaling_block(off, dtype)
+    p = jnp.full((1,), 0.3)  # depth 1: the rebuilt input is off by `off`, not compounded
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    loss = lambda p, x: jnp.sum(jnp.sin(rn.reversible_scan(block, p, x)[0]))  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+    if not refused:
+        jax.block_until_ready(grad(p, x))
+        return
+    with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError") as e:
+        jax.block_until_ready(grad(p, x))
+    want = "0.1" if dtype == jnp.bfloat16 else "0.000244141"
+    assert f"drift_rtol={want}" in str(e.value)
+
+
 def test_anchors_keep_gradients_exact_on_a_well_conditioned_stack():
     _, plain, anchored = depth64_grads()
     assert rel_err(anchored, plain) < 1e-5
