@@ -46,6 +46,7 @@ import numpy as np
 
 from remat_nn import _named_axes
 from remat_nn._host_errors import raise_from_callback
+from remat_nn._jax_internals import sub_jaxprs
 from remat_nn.errors import NotInvertibleError
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "default_rtol",
     "drift",
     "drift_recomputes",
+    "float_dtypes",
     "recomputed",
     "refuse_if",
     "replay",
@@ -135,6 +137,17 @@ def default_rtol(tree: PyTree, computes: Iterable[Any] = ()) -> float:
     dtypes = [jnp.result_type(a) for a in jax.tree.leaves(tree)] + list(computes)
     eps = max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.floating))
     return min(EPS_MULTIPLE * eps, 0.1)
+
+
+def float_dtypes(jaxpr: Any) -> set[Any]:
+    """The float dtypes of the values ``jaxpr`` computes (its sub-jaxprs' included): what a
+    layer computes in, for :func:`default_rtol`'s ``computes``."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {v.aval.dtype for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        for sub in sub_jaxprs(eqn):
+            out |= float_dtypes(sub)
+    return out
 
 
 def _signs(shape: tuple[int, int], salt: int, dtype: Any) -> jax.Array:

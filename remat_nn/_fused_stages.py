@@ -328,7 +328,9 @@ def _stack_forward(stage: FusedStage, stack: Any, consts: Any, h0: Any) -> tuple
     def rerun(stack: Any, j: Any, h: Any) -> Any:  # layer j as the forward ran it
         return stage.layer(_read(stack, j), _read(consts, j), h)[0]
 
-    check = drift_check(stage.fallback, stage.drift_rtol, inputs, h0, rerun) if sketch else None
+    check = None
+    if sketch:
+        check = drift_check(stage.fallback, stage.drift_rtol, inputs, h0, rerun, stack)
     return h_last, _Inputs(None, h_last, stage.inverse, stage.backward, check), new_consts
 
 

@@ -125,7 +125,8 @@ def fused_update_step(
       drift_rtol, fallback: with ``inverse_fn`` / ``backward_fn``, every rebuilt layer input is
         measured against random projections the forward keeps of it (10 floats per layer), as
         in :func:`remat_nn.reversible_scan`: a layer whose input drifted past ``drift_rtol``
-        (``None``: 2048 times the input's machine epsilon) raises ``NotInvertibleError``
+        (``None``: 2048 times the epsilon of the narrowest float the input or a layer computes
+        in: float32 2.4e-4) raises ``NotInvertibleError``
         (``"error"``, default), or is recomputed forward from the stack's input (kept for this)
         and its VJP taken there (``"recompute"``: XLA then reserves the recompute branch's
         buffers too); ``"none"`` checks nothing.
@@ -448,13 +449,16 @@ class DriftCheck:
 
 
 def drift_check(
-    fallback: str, rtol: float | None, sketches: Any, start: Any, rerun: Callable
+    fallback: str, rtol: float | None, sketches: Any, start: Any, rerun: Callable, stack: Any
 ) -> DriftCheck | None:
-    """The :class:`DriftCheck` of a rebuilt stack, or None for ``fallback="none"``."""
+    """The :class:`DriftCheck` of a rebuilt stack, or None for ``fallback="none"``. The default
+    tolerance reads the dtypes layer 0 computes in, as :func:`remat_nn.reversible_scan`'s."""
     if fallback == "none":
         return None
-    rtol = _drift.default_rtol(start) if rtol is None else float(rtol)
-    return DriftCheck(sketches, start, rerun, fallback, rtol)
+    if rtol is None:
+        computes = _drift.float_dtypes(jax.make_jaxpr(rerun)(stack, 0, start).jaxpr)
+        rtol = _drift.default_rtol(start, computes)
+    return DriftCheck(sketches, start, rerun, fallback, float(rtol))
 
 
 class _Segments(_Inputs):
@@ -713,7 +717,7 @@ def _forward(
     if not rebuilds:
         return h_last, _Inputs(inputs, None, None, None)
     rerun = lambda stack, j, h: layer_fn(_read(stack, j), h)  # noqa: E731
-    check = drift_check(fallback, drift_rtol, inputs, h0, rerun) if sketch else None
+    check = drift_check(fallback, drift_rtol, inputs, h0, rerun, stack) if sketch else None
     return h_last, _Inputs(None, h_last, inverse_fn, backward_fn, check)
 
 

@@ -435,21 +435,11 @@ def _layer_jaxpr(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTr
     return jax.make_jaxpr(block.forward)(*layer, xs).jaxpr
 
 
-def _float_dtypes(jaxpr: Any) -> set[Any]:
-    """The float dtypes of the values ``jaxpr`` computes (its sub-jaxprs' included)."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        out |= {v.aval.dtype for v in eqn.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
-        for sub in sub_jaxprs(eqn):
-            out |= _float_dtypes(sub)
-    return out
-
-
 def _default_rtol(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree) -> float:
     """The drift tolerance of a stack whose stream is ``x``: :func:`remat_nn._drift.default_rtol`
     of the stream and of what its blocks compute in (bfloat16 branches rebuild a float32 stream
     to bfloat16 precision only, and plain autodiff's gradient is no more precise)."""
-    return _drift.default_rtol(x, _float_dtypes(_layer_jaxpr(block, params, consts, x)))
+    return _drift.default_rtol(x, _drift.float_dtypes(_layer_jaxpr(block, params, consts, x)))
 
 
 def _unroll(

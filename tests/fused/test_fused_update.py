@@ -378,6 +378,31 @@ def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
     assert err["recompute"] < 100 * own
 
 
+@pytest.mark.parametrize(
+    ("off", "dtype", "refused"),
+    [(1e-4, jnp.float32, False), (5e-4, jnp.float32, True), (2e-2, jnp.bfloat16, False)],
+)
+def test_the_default_drift_tolerance_reads_the_dtypes_the_layers_compute_in(off, dtype, refused):
+    # As rn.reversible_scan's (tests/invertible/test_reversible.py): 2048 epsilons of the
+    # narrowest float a layer computes in, float32 2.4e-4, bfloat16 branches 0.1.
+    factor = lambda w: jnp.exp(w["s"].astype(dtype)).astype(jnp.float32)  # noqa: E731
+    step = rn.fused_update_step(
+        lambda rest, x: x * rest["a"],
+        lambda w, h: h * factor(w),
+        lambda rest, h, x: jnp.sum(jnp.sin(h)),
+        optax.sgd(0.1),
+        inverse_fn=lambda w, y: y / factor(w) * (1 + off),  # off by `off` of its norm
+    )
+    params = ({"s": jnp.full((1,), 0.3)}, {"a": jnp.ones(())})  # depth 1: off is the drift
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    run = lambda: jax.block_until_ready(jax.jit(step)(params, optax.sgd(0.1).init(params), x))  # noqa: E731
+    if not refused:
+        run()
+        return
+    with pytest.raises(jax.errors.JaxRuntimeError, match="drift_rtol=0.000244141"):
+        run()
+
+
 def test_reversible_stack_temp_does_not_grow_with_depth():
     """Saved inputs cost one activation per layer; rebuilt inputs cost nothing per layer."""
     tx = optax.adam(1e-3)
