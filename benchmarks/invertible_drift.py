@@ -36,16 +36,16 @@ def loss(f):
     return lambda ws, x1, x2: sum(jnp.sum(y * y) for y in f(ws, x1, x2))
 
 
-def problem(scale: float, depth: int, seed: int = 0):
+def problem(scale: float, depth: int, seed: int = 0, width: int = D, batch: int = B):
     keys = jax.random.split(jax.random.PRNGKey(seed), 2 * depth + 2)
     ws = [
         (
-            scale * jax.random.normal(keys[2 * i], (D, D)),
-            scale * jax.random.normal(keys[2 * i + 1], (D, D)),
+            scale * jax.random.normal(keys[2 * i], (width, width)),
+            scale * jax.random.normal(keys[2 * i + 1], (width, width)),
         )
         for i in range(depth)
     ]
-    return ws, jax.random.normal(keys[-2], (B, D)), jax.random.normal(keys[-1], (B, D))
+    return ws, *(jax.random.normal(k, (batch, width)) for k in keys[-2:])
 
 
 def reference(ws, x1, x2):

@@ -69,6 +69,8 @@ LOOSE_RTOL = 0.5
 #: A refusal or recompute is false where the unchecked error is within this many times
 #: jax.grad's own; an accepted gradient is a silent error past SILENT times.
 FALSE, SILENT = 10, 100
+#: A cell whose jax.grad is off float64 by this much has no meaningful gradient to match.
+NOISY = 1e-2
 COMBINE = {
     "additive": (rn.additive_combine, rn.additive_uncombine),
     "affine": (rn.affine_combine, rn.affine_uncombine),
@@ -333,6 +335,7 @@ def summary(cells: list[Cell]) -> tuple[list[str], int, int]:
     silent = [
         r for r in rows if r[2].status == "accepted" and _gt(_ratio(r[2].err, r[0].jax_err), SILENT)
     ]
+    noisy = [r for r in false if not r[0].jax_err < NOISY]
     futile = [
         r
         for r in rows
@@ -343,6 +346,8 @@ def summary(cells: list[Cell]) -> tuple[list[str], int, int]:
         f"- **false refusals** (refused, yet the unchecked gradient's "
         f"error is <= {FALSE}x jax.grad's own): **{len(false)}**"
         + _by_mechanism(false)
+        + f"; {len(noisy)} of them where jax.grad's own error is >= {NOISY:g} (its gradient "
+        f"no better; mostly bfloat16 branches and chaotic stacks): {_by_mechanism(noisy)[2:-1]}"
         + f"; {len(unknown)} more refused cells have no unchecked error (refused again at "
         f"rtol={LOOSE_RTOL}, or at trace time): n/a",
         f"- **silent errors** (accepted, error > {SILENT}x jax.grad's own): **{len(silent)}**"

@@ -16,7 +16,7 @@ from jax.interpreters.ad import JVPTracer
 from remat_nn import _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible import _errors, _scan_sketch, _sketch
+from remat_nn.invertible import _scan_sketch, _sketch
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._equation_rules import verify_custom_rules
 from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
@@ -151,63 +151,54 @@ def _trace(
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
 
-def _scan_seeds(schedule: WalkSchedule) -> dict[int, tuple[int, Any, list]]:
-    """Each sketched scan's first seed (after the values' seeds), body jaxpr and values."""
-    seeds, next_seed = {}, len(sketched(schedule))
-    for i, body, body_values in sketched_scans(schedule):
-        seeds[i] = (next_seed, body, body_values)
-        next_seed += len(body_values)
-    return seeds
-
-
 def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, Any]:
     """The outputs, and the sketches of the values ``schedule`` derives from rebuilt ones
-    (``_scan_sketch.sketched``; value ``k`` with seed ``k``) packed in two arrays, whatever
+    (``_scan_sketch.sketched``; value ``k`` at row ``k``) packed in two arrays, whatever
     the depth: ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if none); and
     the per-iteration sketches inside the scans it undoes (``_scan_sketch``), by equation."""
     analysis = schedule.analysis
     jaxpr, values = analysis.jaxpr, sketched(schedule)
     in_scans: dict[int, Any] = {}
 
-    def sketching(i: int, seed: int, body: Any, body_values: list) -> Callable[[list], list]:
+    def sketching(i: int, body: Any, body_values: list) -> Callable[[list], list]:
         def run(ins: list) -> list:
-            outs, (_, tops, projections) = _scan_sketch.forward(
-                jaxpr.eqns[i], body, body_values, ins, seed
-            )
-            in_scans[i] = (tops, projections)
+            outs, in_scans[i] = _scan_sketch.forward(jaxpr.eqns[i], body, body_values, ins)
             return outs
 
         return run
 
-    runs = {i: sketching(i, *sv) for i, sv in _scan_seeds(schedule).items()}
-    outs, found = eval_jaxpr(jaxpr, ins, values, runs)
+    packed = {
+        "tops": jnp.zeros((len(values),), jnp.float32),
+        "projections": jnp.zeros((len(values), _sketch.K), jnp.int32),
+    }
+
+    def sketch(k: int, x: Any) -> Any:
+        # Taken as soon as the value is made and written in place: taken after the forward
+        # pass, the sketches held its activations until then (temp above plain autodiff's).
+        # Not tied to the value by an optimization barrier: that makes XLA round a 16-bit
+        # value where the forward pass kept excess precision (gradients off by bfloat16's eps).
+        top, projection = _sketch.sketch(x)
+        packed["tops"] = packed["tops"].at[k].set(top)
+        packed["projections"] = packed["projections"].at[k].set(projection)
+        return x
+
+    runs = {i: sketching(i, body, vs) for i, body, vs in sketched_scans(schedule)}
+    outs, _ = eval_jaxpr(jaxpr, ins, values, runs, tap=sketch)
     if not values:
         return outs, (None, in_scans)
-    made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-    tops = jnp.zeros((len(values),), jnp.float32)
-    projections = jnp.zeros((len(values), _sketch.K), jnp.int32)
-    last = None
-    # Written in place, in the order the forward pass makes the values, each after the one
-    # before: XLA would otherwise compute them all early and hold every sketch apart.
-    for k in sorted(range(len(values)), key=lambda k: made.get(values[k], -1)):
-        x = found[k] if last is None else _errors.after(found[k], last)
-        top, projection = _sketch.sketch(x, k)
-        tops, projections = tops.at[k].set(top), projections.at[k].set(projection)
-        last = top
-    return outs, ((tops, projections), in_scans)
+    return outs, ((packed["tops"], packed["projections"]), in_scans)
 
 
 def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
-    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> (seed,
-    sketch), and ``scan_key(i)`` -> a scan's per-iteration sketches
-    (``_scan_sketch.ScanSketches``)."""
+    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> sketch, and
+    ``scan_key(i)`` -> a scan's per-iteration sketches (``_scan_sketch.ScanSketches``)."""
     values, in_scans = packed
     out: dict[Any, Any] = {}
     if values is not None:
         tops, projections = values
-        out = {v: (k, (tops[k], projections[k])) for k, v in enumerate(sketched(schedule))}
-    for i, (seed, _, _) in _scan_seeds(schedule).items():
-        out[scan_key(i)] = (seed, *in_scans[i])
+        out = {v: (tops[k], projections[k]) for k, v in enumerate(sketched(schedule))}
+    for i, _, _ in sketched_scans(schedule):
+        out[scan_key(i)] = in_scans[i]
     return out
 
 

@@ -92,14 +92,22 @@ def eval_jaxpr(
     args: Sequence[Any],
     keep: Sequence[core.Var] = (),
     run: Mapping[int, Callable[[list], list]] | None = None,
+    tap: Callable[[int, Any], Any] | None = None,
 ):
     """Evaluates ``jaxpr`` (no constvars); returns its outputs and the values of ``keep``.
-    ``run``: equation index -> a function evaluating that equation in its place."""
-    env = dict(zip(jaxpr.invars, args, strict=True))
+    ``run``: equation index -> a function evaluating that equation in its place. ``tap(k, x)``:
+    called with each value of ``keep`` (its position, the value) as soon as it is made; what it
+    returns stands for the value from there on."""
+    position = {v: k for k, v in enumerate(keep)}
+
+    def made(v: core.Var, x: Any) -> Any:
+        return tap(position[v], x) if tap is not None and v in position else x
+
+    env = {v: made(v, x) for v, x in zip(jaxpr.invars, args, strict=True)}
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(env, a) for a in eqn.invars]
         outs = run[i](ins) if run and i in run else eval_eqn(eqn, ins)
-        env.update((v, o) for v, o in zip(eqn.outvars, outs, strict=True) if is_var(v))
+        env.update((v, made(v, o)) for v, o in zip(eqn.outvars, outs, strict=True) if is_var(v))
     return [read(env, a) for a in jaxpr.outvars], [env[v] for v in keep]
 
 

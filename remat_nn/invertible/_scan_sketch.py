@@ -27,17 +27,16 @@ from remat_nn._jax_internals import core
 from remat_nn.invertible import _sketch
 from remat_nn.invertible._jaxpr import eval_jaxpr, is_var, open_jaxpr
 
-#: A scan's per-iteration sketches: ``(first seed, tops (length, m), projections
-#: (length, m, K))`` of the ``m`` body values its walk reads them for, in ``sketched`` order.
-ScanSketches = tuple[int, Any, Any]
+#: A scan's per-iteration sketches: ``(tops (length, m), projections (length, m, K))`` of the
+#: ``m`` body values its walk reads them for, in ``sketched`` order.
+ScanSketches = tuple[Any, Any]
 
 
 def forward(
-    eqn: core.JaxprEqn, body: Any, values: Sequence[Any], ins: Sequence[Any], seed: int
+    eqn: core.JaxprEqn, body: Any, values: Sequence[Any], ins: Sequence[Any]
 ) -> tuple[list, ScanSketches]:
     """The scan ``eqn`` run on ``ins`` with its body's jaxpr ``body`` (the body analysis's: the
-    same variables), and the sketches of the body's ``values`` at every iteration (value ``k``
-    with seed ``seed + k``)."""
+    same variables), and the sketches of the body's ``values`` at every iteration."""
     params = eqn.params
     num_consts, num_carry = params["num_consts"], params["num_carry"]
     _, body_consts = open_jaxpr(params["jaxpr"])
@@ -46,7 +45,7 @@ def forward(
 
     def step(carry, x):
         outs, found = eval_jaxpr(body, [*body_consts, *consts, *carry, *x], values)
-        sketches = [_sketch.sketch(v, _sketch.Grid(seed + k)) for k, v in enumerate(found)]
+        sketches = [_sketch.sketch(v) for v in found]
         tops = jnp.stack([t for t, _ in sketches])
         projections = jnp.stack([p for _, p in sketches])
         return list(outs[:num_carry]), (list(outs[num_carry:]), (tops, projections))
@@ -59,7 +58,7 @@ def forward(
         reverse=params["reverse"],
         unroll=params["unroll"],
     )
-    return carry + ys, (seed, tops, projections)
+    return carry + ys, (tops, projections)
 
 
 def per_iteration(
@@ -68,17 +67,16 @@ def per_iteration(
     """For ``ScanRule``'s reverse scan over the body analysis ``body`` (with cotangents if
     ``want_cts``): what it scans over (``(tops, projections)``, or None without sketches), and
     the function that reads one iteration's slice of it as the body's walk reads sketches
-    (value -> (seed, sketch); None without)."""
+    (value -> sketch; None without)."""
     if sketches is None:
         return None, lambda _: None
-    seed, tops, projections = sketches
     read = values(body, want_cts)
 
     def at_iteration(sk: Any) -> dict:
         tops, projections = sk  # (m,), (m, K)
-        return {v: (_sketch.Grid(seed + k), (tops[k], projections[k])) for k, v in enumerate(read)}
+        return {v: (tops[k], projections[k]) for k, v in enumerate(read)}
 
-    return (tops, projections), at_iteration
+    return sketches, at_iteration
 
 
 def sketched(schedule: Any) -> list:

@@ -10,22 +10,24 @@ element's error, so the carried error is capped by it (:func:`capped`): where th
 estimate was pessimistic, the checks see the real drift.
 
 The projections are exact. ``x`` is scaled by a power of two that puts ``max|x|`` just below
-``2**30`` and rounded to int32 (exact, up to the sub-quantum digits below ``2**-30 max|x|``);
-the signs are products of two hashed sign matrices of ``O(K sqrt(n))`` numbers
-(:func:`_project_grid`, inside a scan's body) or hashed per element (at the top level). Integer
-sums wrap, and wrapping is a ring homomorphism, so the difference of two projections is exactly
-the projection of the difference of the quantized values. The estimator's own floor is the
-quantization: at most one quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6
-of it only at n = 1e6), far below any tolerance. From the norm it takes the largest element's
-drift under a spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``,
-below it with probability about 1e-3 (chi-square, 8 degrees of freedom), never above ``||d||_2``
-(which bounds every element); a drift in a few elements of a large tensor can read smaller.
+``2**30`` and rounded to int32 (exact, up to the sub-quantum digits below ``2**-30 max|x|``); the
+signs are products of two hashed sign matrices of ``O(K sqrt(n))`` numbers (:func:`_project`), the
+same for every value of a shape (``seed`` 0): constants XLA makes once. With distinct signs per
+value, XLA held them from the forward pass to the backward (two matrices per value live at the
+peak: temp growing with depth), and one hashed sign per element made XLA:CPU materialize a
+``(K, n)`` signed copy of each value (the walk's temp above plain autodiff's). Integer sums wrap,
+and wrapping is a ring homomorphism, so the difference of two projections is exactly the projection
+of the difference of the quantized values. The estimator's own floor is the quantization: at most
+one quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6 of it only at
+n = 1e6), far below any tolerance. From the norm it takes the largest element's drift under a
+spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``, below it with
+probability about 1e-3 (chi-square, 8 degrees of freedom), never above ``||d||_2`` (which bounds
+every element); a drift in a few elements of a large tensor can read smaller.
 Design: remat_nn/invertible/README.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -96,20 +98,7 @@ def _quantized(x: Any, power: Any) -> Any:
     return jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32).reshape(-1)  # (n,)
 
 
-def _project_hashed(x: Any, power: Any, seed: int) -> Any:
-    """The ``K`` projections (int32, wrapping) of ``x`` quantized at ``power``, one hashed sign
-    per element and projection: XLA fuses iota, hash and sum into one reduction of ``x`` run
-    at its step, but XLA:CPU materializes the ``(K, n)`` signed copy there (a transient of
-    ``8 x`` the value's bytes)."""
-    q = _quantized(x, power).reshape(1, -1)  # (1, n)
-    n = q.shape[1]
-    j = lax.broadcasted_iota(jnp.uint32, (K, n), 1) * jnp.uint32(K)
-    j = j + lax.broadcasted_iota(jnp.uint32, (K, n), 0) + jnp.uint32(seed * K)
-    negative = lax.shift_right_logical(_hash(lax.mul(j, _GOLDEN)), _TOP) == 1
-    return jnp.sum(jnp.where(negative, -q, q), axis=1, dtype=jnp.int32)  # (K,)
-
-
-def _project_grid(x: Any, power: Any, seed: int) -> Any:
+def _project(x: Any, power: Any, seed: int) -> Any:
     """The ``K`` projections (int32, wrapping) of ``x`` quantized at ``power``.
 
     ``x`` quantized is viewed as a ``(rows, cols)`` matrix ``Q`` (zero-padded) and projection
@@ -117,9 +106,8 @@ def _project_grid(x: Any, power: Any, seed: int) -> Any:
     hashed signs: every element times the sign ``R[r, k] C[c, k]``, pairwise independent, so
     ``E[projection^2] = |Q|^2`` as with one sign per element, while only ``O(K sqrt(n))``
     signs are made (one sign per element and projection was a ``(K, n)`` array that XLA:CPU
-    materialized). In uint32, where products and sums wrap by definition. The quantized copy
-    and the product are buffers of their own, which XLA may hold across steps of an unrolled
-    stack: used inside a scan's body (one iteration's values at a time) only."""
+    materialized). In uint32, where products and sums wrap by definition. ``seed`` picks the
+    sign matrices (the walk uses 0 for every value; distinct seeds draw independent ones)."""
     q = _quantized(x, power)
     rows, cols = _grid(q.size)
     q = jnp.pad(q, (0, rows * cols - q.size)).reshape(rows, cols)
@@ -132,30 +120,15 @@ def _project_grid(x: Any, power: Any, seed: int) -> Any:
 _GOLDEN, _TOP = np.uint32(0x9E3779B1), np.uint32(31)
 
 
-@dataclasses.dataclass(frozen=True)
-class Grid:
-    """The seed of a sketch taken by the grid projection (inside a scan's body), not the
-    hashed one (a plain ``int`` seed, at the top level of the walked function)."""
-
-    seed: int
-
-
-def _project(x: Any, power: Any, seed: int | Grid) -> Any:
-    if isinstance(seed, Grid):
-        return _project_grid(x, power, seed.seed)
-    return _project_hashed(x, power, seed)
-
-
-def sketch(x: Any, seed: int | Grid) -> Sketch:
+def sketch(x: Any, seed: int = 0) -> Sketch:
     """The forward pass's record of ``x``: ``(max|x|, K projections)``; ``seed`` picks the
-    signs (one per value, so the sketches of distinct values are independent) and, a
-    :class:`Grid`, the projection."""
+    signs (:func:`_project`)."""
     x = _wide(x)
     top = jnp.max(jnp.abs(x)).astype(jnp.float32)  # (float64: the exponent of its float32)
     return top, _project(x, _power(top).astype(x.dtype), seed)
 
 
-def drift(rebuilt: Any, recorded: Sketch, seed: int | Grid) -> Any:
+def drift(rebuilt: Any, recorded: Sketch, seed: int = 0) -> Any:
     """An estimate (float32) of ``||rebuilt - x||_2`` from ``x``'s sketch: at least the change
     of ``max|.|`` (a lower bound of every element's drift); inf where ``rebuilt`` is not
     finite; NaN where ``x``'s own scale is not (nothing measured)."""

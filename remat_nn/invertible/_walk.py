@@ -292,7 +292,7 @@ class _State:
     err: dict
     ct: dict
     code: Any = None
-    sketches: Mapping[Any, tuple[int, _sketch.Sketch]] = dataclasses.field(default_factory=dict)
+    sketches: Mapping[Any, _sketch.Sketch] = dataclasses.field(default_factory=dict)
 
     def known_errs(self, eqn, unknown, reads) -> Errors | None:
         """The errors an inverse rule gets: of its known operands and of what it reads (its
@@ -309,8 +309,7 @@ class _State:
         """Records ``v``'s error, computed at this step (the value depends on it); capped by
         the drift measured against the forward pass's sketch of ``v``, if it kept one."""
         if v in self.sketches:
-            seed, recorded = self.sketches[v]
-            measured = _sketch.drift(self.env[v], recorded, seed)
+            measured = _sketch.drift(self.env[v], self.sketches[v])
             # Under shard_map the packed sketches vary over every value's axes: a value
             # varying over fewer keeps its propagated error (its type must not change).
             if varying(measured) <= varying(self.env[v]):
@@ -390,7 +389,7 @@ def execute(
     *,
     want_inputs: bool = True,
     errs: Errors | None = None,
-    sketches: Mapping[Any, tuple[int, _sketch.Sketch]] | None = None,
+    sketches: Mapping[Any, _sketch.Sketch] | None = None,
 ) -> tuple[list[Any], list[Any] | None, Any, list[Any]]:
     """Runs the walk of ``analysis``.
 
@@ -404,7 +403,7 @@ def execute(
       errs: the errors (see ``_errors``; ``None``: exact) the known inputs and the outputs
         carry from an enclosing walk, as (inputs, outputs).
       sketches: the forward pass's sketches of values of ``analysis.jaxpr`` (``_sketch``:
-        value -> (seed, sketch)), which cap the errors the walk carries for them.
+        value -> sketch), which cap the errors the walk carries for them.
 
     Returns:
       All inputs (rebuilt where they were ``None``), their cotangents (``None`` for zero; the
