@@ -29,7 +29,10 @@ from the working directory or ``PYTHONPATH`` — a function or a ``flax.linen.Mo
     or a :class:`remat_nn.Plan` (a plan mapping, or the plan ``{policy: auto}`` chose). Hand it
     to ``remat_nn.nn.remat(Block, policy=remat)`` (or ``remat_nn.nnx.remat``), which takes all
     of them (``"none"`` returns ``Block`` itself) and keeps the parameter tree the same whatever
-    the value. Without a ``remat`` parameter, ``remat:`` must stay unset.
+    the value. Without a ``remat`` parameter, ``remat:`` must stay unset;
+  - Flax NNX: an ``nnx.Module`` class, or a function with a parameter ``rngs`` returning one,
+    is wrapped by ``flax.nnx.bridge.to_linen`` (which passes ``rngs``: not an option); a
+    function returning an ``nnx.Module`` it built with keys of its own is refused.
 
 :func:`from_module` turns the reference into a :class:`ModelSpec`; what cannot be used (no colon,
 a module that does not import, a missing attribute, something not callable, a non-Module result)

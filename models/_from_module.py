@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import flax.linen as fnn
 import pydantic
+from flax import nnx
 
 from models._spec import POLICY_NAMES, ModelSpec
 
@@ -93,10 +94,22 @@ def from_module(ref: str, *, task: Literal["classify", "lm", "regress"] = "class
             "function (or flax.linen.Module class) that returns a flax.linen.Module"
         )
 
+    nnx_builder = _is_nnx_builder(fn)
+
     def build_checked(**options: Any) -> fnn.Module:
         # A data-filled parameter the data did not fill: build's own "missing argument" error.
         options = {k: v for k, v in options.items() if not (k in FROM_DATA and v is None)}
+        if nnx_builder:  # built by the bridge at init, with the trainer's rngs
+            return nnx.bridge.to_linen(fn, **options)
         out = fn(**options)
+        if isinstance(out, nnx.Module):
+            raise ModuleError(
+                f"{where} returned a flax.nnx.Module ({type(out).__name__}) built without the "
+                f"trainer's random keys. Fix: give {attr} a parameter `rngs` and build the module "
+                f"with it (`def {attr}(..., rngs): return MyModel(..., rngs=rngs)`), or point "
+                "model.module at the nnx.Module class itself: the trainer then wraps it with "
+                "flax.nnx.bridge.to_linen and initializes it from its seed"
+            )
         if not isinstance(out, fnn.Module):
             raise ModuleError(
                 f"{where} returned a {type(out).__name__}, not a flax.linen.Module. Fix: make "
@@ -122,11 +135,30 @@ MODULE_REMAT_PRESETS: Mapping[str, Any] = MappingProxyType(
 )
 
 
+def _is_nnx_builder(fn: Callable[..., Any]) -> bool:
+    """An ``nnx.Module`` class, or a function with a parameter ``rngs``: built through
+    ``flax.nnx.bridge.to_linen``, which passes it the ``nnx.Rngs`` of the trainer's keys."""
+    if isinstance(fn, type):
+        return issubclass(fn, nnx.Module)
+    try:
+        return "rngs" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """``fn``'s parameters; an ``nnx.Module`` class's are its ``__init__``'s but ``self`` (NNX's
+    metaclass hides them from ``inspect.signature`` of the class)."""
+    if isinstance(fn, type) and issubclass(fn, nnx.Module):
+        return list(inspect.signature(fn.__init__).parameters.values())[1:]
+    return list(inspect.signature(fn).parameters.values())
+
+
 def _options_schema(fn: Callable[..., Any], ref: str) -> type[pydantic.BaseModel]:
     # build's keyword parameters as a pydantic model: the names are checked (unknown option,
     # missing required one), the values are build's own business (typed Any).
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = _parameters(fn)
     except (TypeError, ValueError):  # a builtin without a signature: take anything
         params = [inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)]
     is_module_class = isinstance(fn, type) and issubclass(fn, fnn.Module)
@@ -143,6 +175,8 @@ def _options_schema(fn: Callable[..., Any], ref: str) -> type[pydantic.BaseModel
         elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             if is_module_class and p.name in ("parent", "name"):
                 continue  # flax's own dataclass fields, not options
+            if p.name == "rngs" and _is_nnx_builder(fn):
+                continue  # the bridge passes it
             default = None if p.default is p.empty else p.default
             if p.default is p.empty and p.name not in FROM_DATA:  # those the trainer fills
                 default = ...
