@@ -15,6 +15,8 @@ except ImportError as e:
 
 # --- remat transform: flax.nnx.remat plus names, policies and validated plans ---------------------
 from remat_nn.nnx._remat import checkpoint, remat
+from remat_nn.nnx._remat_scan import remat_scan
+from remat_nn.nnx._tied import tied_remat
 
 # --- reversible couplings and sequences -----------------------------------------------------------
 from remat_nn.nnx._coupling import AdditiveCoupling, AffineCoupling, Coupling
@@ -26,6 +28,8 @@ from remat_nn.nnx._pure import pure
 __all__: list[str] = [
     "checkpoint",
     "remat",
+    "remat_scan",
+    "tied_remat",
     # reversible
     "AdditiveCoupling",
     "AffineCoupling",

@@ -185,6 +185,34 @@ def _nnx_reversible() -> Case:
     return Case(run(graphdef), run(plain_def), params, _normal(2, (B, D)), stats, axis=True)
 
 
+class _NNXTiedNet(nnx.Module):
+    """Two unrolled units, each under ``rnnx.tied_remat`` (a custom_vjp) or called plainly."""
+
+    def __init__(self, tied: bool, rngs: nnx.Rngs) -> None:
+        self.tied = tied
+        self.units = nnx.List([_NNXBNDense(rngs), _NNXBNDense(rngs)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for unit in self.units:
+            x = x + (rnnx.tied_remat(unit, x, policy="full") if self.tied else unit(x))
+        return x
+
+
+def _nnx_tied_remat() -> Case:
+    graphdef, params, stats = nnx.split(_NNXTiedNet(True, nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
+    plain_def = nnx.graphdef(_NNXTiedNet(False, nnx.Rngs(0)))
+
+    def run(gd: Any) -> Callable[..., Any]:
+        def f(params: Any, stats: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+            model = nnx.merge(gd, params, stats, copy=True)
+            out = model(x)
+            return jnp.sum(jnp.sin(out) + out**2), nnx.state(model, nnx.BatchStat)
+
+        return f
+
+    return Case(run(graphdef), run(plain_def), params, _normal(2, (B, D // 2)), stats, axis=True)
+
+
 def _coupling(p: Any, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     y1 = x1 + jnp.tanh(x2 @ p["f"])
     return y1, x2 + jnp.tanh(y1 @ p["g"])
@@ -280,6 +308,7 @@ PATHS: dict[str, Callable[[], Case]] = {
     ),
     "nn_reversible_bn": _nn_reversible,
     "nnx_reversible_bn": _nnx_reversible,
+    "nnx_tied_remat": _nnx_tied_remat,
     "invertible": _invertible,
     "custom_ivjp": _custom_ivjp,
     "revnet": _revnet,

@@ -76,7 +76,8 @@ class Model(_Section):
         None,
         description="your own model instead of a registered one: 'package.module:build', where "
         "build(**model.options) returns a flax.linen.Module (a function, or the Module class "
-        "itself), or a flax.nnx.Module class (or a function taking rngs that builds one); importable from the working directory or PYTHONPATH. See README 'Train your "
+        "itself), or a flax.nnx.Module class (or a function taking rngs that builds one); "
+        "importable from the working directory or PYTHONPATH. See README 'Train your "
         "model'",
     )
     task: Task | None = Field(
