@@ -259,9 +259,29 @@ def _calibrate(
             f"memory of any plan compiled, {format_bytes(s.least)} ({s.least} B, "
             f"{_short(s.least_plan)}; every name recomputed: {format_bytes(s.floor)}, no remat: "
             f"{format_bytes(s.no_remat)}). Fix: "
-            f"raise the budget to at least {s.least} B, or reduce the batch."
+            f"raise the budget to at least {s.least} B, or reduce the batch.{_unordered_hint(s)}"
         )
     return by_name, alone
+
+
+#: Recomputing every name saves less than this fraction of no remat's temp memory: remat is not
+#: taking effect (the hint below says the usual reason).
+_NO_SAVING = 0.05
+
+
+def _unordered_hint(s: _Session) -> str:
+    """Where recomputing every name saves (almost) nothing, the usual reason and its fix."""
+    if s.no_remat <= 0 or s.floor < (1 - _NO_SAVING) * s.no_remat:
+        return ""
+    return (
+        f" Recomputing every name holds {format_bytes(s.floor)} against no remat's "
+        f"{format_bytes(s.no_remat)}: remat is not taking effect. The usual reason: remat'd "
+        "blocks in an unrolled Python loop, whose recomputations XLA:CPU (whatever prevent_cse "
+        "says) runs as soon as their inputs exist, at the start of the backward pass. Fix: "
+        "scan the blocks (rn.remat_scan, rnn.remat_scan, rnnx.remat_scan, or flax's scan over "
+        "the remat'd block), or call each through rnn.tied_remat / rnnx.tied_remat, which orders "
+        "its recomputation after the incoming cotangent."
+    )
 
 
 def _rates(
@@ -407,7 +427,7 @@ def _variant_report(
             f"plan_for_budget: budget {format_bytes(s.budget_bytes)} is below the least temp "
             f"memory of any plan compiled, {format_bytes(least)} ({least} B), variants "
             f"{', '.join(variants)} included. Fix: raise the budget to at least {least} B, "
-            "or reduce the batch."
+            f"or reduce the batch.{_unordered_hint(s)}"
         )
     label, the_plan = chosen
     chosen_tried = next(t for t in variant_tried if t.variant == label)
