@@ -57,7 +57,7 @@ from remat_nn._fused_stages import FusedStage, fused_update_stages
 from remat_nn._fused_update import FusedUpdateError, fused_update_step
 
 # --- comparing gradients -------------------------------------------------------------------------
-from remat_nn._compare import relative_error
+from remat_nn._compare import RelativeError, relative_error
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
 from remat_nn._drift import SCOPE as DRIFT_SCOPE
@@ -120,6 +120,7 @@ __all__ = [
     "invertible",
     "register_inverse",
     # comparing gradients
+    "RelativeError",
     "relative_error",
     # reversible
     "ReversibleBlock",

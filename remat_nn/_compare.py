@@ -25,11 +25,22 @@ def relative_error(got: Any, want: Any, *, floor: float = 0.0) -> float:
         and which holds only round-off. ``0.0``: every leaf on its own scale.
 
     Returns:
-      The largest per-leaf error, a Python float (0.0 for identical trees).
+      The largest per-leaf error, a Python float (0.0 for identical trees), which also names
+      where it is (:class:`RelativeError`): printed, it says which leaf dominates and, where that
+      leaf's scale is a tiny share of the tree's, that ``floor=`` is the fix (an exact-zero
+      gradient holding round-off).
 
     >>> import jax.numpy as jnp, remat_nn as rn
     >>> rn.relative_error({"w": jnp.array([10.0, 0.0])}, {"w": jnp.array([10.0, 1e-3])})
-    0.0001...
+    0.0001... (largest at ['w'])
+    >>> err = rn.relative_error({"w": jnp.ones(2), "b": jnp.array([1e-7])},
+    ...                         {"w": jnp.ones(2), "b": jnp.array([1e-9])})
+    >>> err
+    99.0... (largest at ['b'], whose max|want| is 1e-09 of the tree's largest: round-off on an
+    exact zero? floor=1e-3 scales such leaves by the tree's largest)
+    >>> float(err) > 1, rn.relative_error({"w": jnp.ones(2), "b": jnp.array([1e-7])},
+    ...                                   {"w": jnp.ones(2), "b": jnp.array([1e-9])}, floor=1e-3)
+    (True, 9.9...e-05 (largest at ['b']))
     """
     got_leaves = jax.tree.leaves(got)
     want_leaves = jax.tree_util.tree_leaves_with_path(want)
@@ -39,8 +50,9 @@ def relative_error(got: Any, want: Any, *, floor: float = 0.0) -> float:
             "Fix: compare trees of the same structure."
         )
     scales = [_largest(w) for _, w in want_leaves]
-    least = floor * max(scales, default=0.0)
-    worst = 0.0
+    top = max(scales, default=0.0)
+    least = floor * top
+    worst, where, share = 0.0, "", 1.0
     for g, (path, w), scale in zip(got_leaves, want_leaves, scales, strict=True):
         path = jax.tree_util.keystr(path)
         g, w = _host(g), _host(w)
@@ -53,8 +65,45 @@ def relative_error(got: Any, want: Any, *, floor: float = 0.0) -> float:
             continue
         scale = max(scale, least)
         diff = _largest(g - w)
-        worst = max(worst, diff / scale if scale > 0 else diff)
-    return worst
+        err = diff / scale if scale > 0 else diff
+        if err > worst:
+            worst, where, share = err, path or "(root)", scale / top if top > 0 else 1.0
+    return RelativeError(worst, where, share)
+
+
+class RelativeError(float):
+    """:func:`relative_error`'s value, a float, with the leaf where it is largest (``leaf``,
+    empty for 0.0) and that leaf's scale as a share of the tree's largest (``share``); its
+    ``repr`` names them, and suggests ``floor=`` where the share is below :data:`TINY_SHARE`
+    (``str`` and f-strings give the number alone)."""
+
+    leaf: str
+    share: float
+
+    def __new__(cls, value: float, leaf: str = "", share: float = 1.0) -> RelativeError:
+        out = super().__new__(cls, value)
+        out.leaf, out.share = leaf, share
+        return out
+
+    def __str__(self) -> str:  # print, f-strings and tables: the number alone
+        return float.__repr__(self)
+
+    def __repr__(self) -> str:  # the REPL, containers, assertion messages: and where
+        number = float.__repr__(self)
+        if not self.leaf:
+            return number
+        if self.share >= TINY_SHARE:
+            return f"{number} (largest at {self.leaf})"
+        return (
+            f"{number} (largest at {self.leaf}, whose max|want| is {self.share:.0e} of the "
+            "tree's largest: round-off on an exact zero? floor=1e-3 scales such leaves by the "
+            "tree's largest)"
+        )
+
+
+#: A leaf whose largest value is below this share of the tree's largest: its error may be
+#: round-off on an exact zero (a key bias softmax ignores, a bias under BatchNorm).
+TINY_SHARE = 1e-4
 
 
 def _host(x: Any) -> np.ndarray:

@@ -38,3 +38,21 @@ def test_mismatched_trees_are_refused_naming_the_fix():
         rn.relative_error([jnp.ones(2)], [jnp.ones(2), jnp.ones(2)])
     with pytest.raises(ValueError, match="shape"):
         rn.relative_error({"w": jnp.ones(2)}, {"w": jnp.ones(3)})
+
+
+def test_the_error_names_the_leaf_that_dominates_and_when_floor_is_the_fix():
+    # An attention block's key bias: its exact gradient is 0, the two computations' round-off
+    # differs, and the per-leaf error is ~1 although every other leaf agrees to 1e-7 (#46).
+    want = {"kernel": jnp.linspace(1.0, 2.0, 8), "key_bias": jnp.array([3e-9, -1e-9])}
+    got = {"kernel": want["kernel"] * (1 + 1e-7), "key_bias": jnp.array([-2e-9, 2e-9])}
+    err = rn.relative_error(got, want)
+    assert err.leaf == "['key_bias']" and err > 1.0
+    assert "largest at ['key_bias']" in repr(err) and "floor=1e-3" in repr(err)
+    assert str(err) == repr(float(err)) and f"{err}" == str(err)  # tables get the number alone
+    floored = rn.relative_error(got, want, floor=1e-3)
+    assert floored < 1e-5 and "floor=" not in repr(floored)
+    same = rn.relative_error(want, want)
+    assert same == 0.0 and repr(same) == "0.0" and same.leaf == ""
+    # The leaf is where the error is largest, whatever order the leaves come in.
+    worse = {"a": jnp.ones(3) * 1.01, "b": jnp.ones(3) * 1.1, "c": jnp.ones(3) * 1.001}
+    assert rn.relative_error(worse, {k: jnp.ones(3) for k in worse}).leaf == "['b']"
