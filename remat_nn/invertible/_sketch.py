@@ -11,17 +11,17 @@ estimate was pessimistic, the checks see the real drift.
 
 The projections are exact. ``x`` is scaled by a power of two that puts ``max|x|`` just below
 ``2**30`` and rounded to int32 (exact, up to the sub-quantum digits below ``2**-30 max|x|``); the
-signs are products of two hashed sign matrices of ``O(K sqrt(n))`` numbers (:func:`_project`),
-the same for every value of a shape (``seed`` 0): constants numpy makes once per shape (hashed
-in the program, they were a fifth of the walk's operations at depth 8, and its compile took 12 s
-against 6.7 s now). With distinct signs per value, XLA held them from the forward pass to the backward (two matrices per value live at the
-peak: temp growing with depth), and one hashed sign per element made XLA:CPU materialize a
-``(K, n)`` signed copy of each value (the walk's temp above plain autodiff's). Integer sums wrap,
-and wrapping is a ring homomorphism, so the difference of two projections is exactly the projection
-of the difference of the quantized values. The estimator's own floor is the quantization: at most
-one quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6 of it only at
-n = 1e6), far below any tolerance. From the norm it takes the largest element's drift under a
-spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``, below it with
+signs are products of two hashed sign matrices of ``O(K sqrt(n))`` numbers (:func:`_project`), the
+same for every value of a shape (``seed`` 0): constants numpy makes once per shape (hashed in the
+program, they were a fifth of the walk's operations at depth 8, and its compile took 12 s against
+6.7 s now). With distinct signs per value, XLA held them from the forward pass to the backward (two
+matrices per value live at the peak: temp growing with depth), and one hashed sign per element made
+XLA:CPU materialize a ``(K, n)`` signed copy of each value (the walk's temp above plain autodiff's).
+Integer sums wrap, and wrapping is a ring homomorphism, so the difference of two projections is
+exactly the projection of the difference of the quantized values. The estimator's own floor is the
+quantization: at most one quantum per differing element, ``2**-30 sqrt(n)`` of ``max|x|`` (1e-6 of
+it only at n = 1e6), far below any tolerance. From the norm it takes the largest element's drift
+under a spread-out drift (rounding): :data:`SAFETY` ``* sqrt(2 ln 2n / n) * ||d||_2``, below it with
 probability about 1e-3 (chi-square, 8 degrees of freedom), never above ``||d||_2`` (which bounds
 every element); a drift in a few elements of a large tensor can read smaller.
 Design: remat_nn/invertible/README.md.
