@@ -120,26 +120,20 @@ def build_experiment(
     tx, schedule = _optimizer(cfg)
     example = dataset.example_batch(1)
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
-    plan_file = choice = None
-    if isinstance(plan, AutoRequest):
-        plan_file, choice = _auto_plan(
-            cfg,
-            plan,
-            spec=spec,
-            options=options,
-            tx=tx,
-            example=example,
-            # One device's micro-batch: the backward the step compiles holds its activations.
-            micro_batch=global_bs // mesh.size // cfg.train.grad_accum,
-            compute_dtype=compute_dtype,
-            say=say,
-            loss=loss,
-            write=multihost.is_main() and not dry_run,
-            restart=restart,
-        )
-        # The chosen form (its options on the model's, its own remat if it sets one) and plan:
-        # the state below (parameters, shardings, optimizer) is built from this model.
-        options, plan = {**options, **choice.model_options}, choice.policy
+    options, plan, plan_file, choice = _chosen_form(
+        cfg,
+        plan,
+        options,
+        spec=spec,
+        tx=tx,
+        example=example,
+        micro_batch=global_bs // mesh.size // cfg.train.grad_accum,  # one device's micro-batch
+        compute_dtype=compute_dtype,
+        say=say,
+        loss=loss,
+        write=multihost.is_main() and not dry_run,
+        restart=restart,
+    )
     options = models.resolve_options(spec, **remat_lib.model_options_with_plan(options, plan))
     model = _build_model(spec, options)
     init = state_lib.make_init(model, tx, _x_shape(example), seed=cfg.train.seed)
@@ -155,10 +149,7 @@ def build_experiment(
             model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
         ),
         abstract=abstract,
-        batch_abstract={
-            k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=batch_sh)
-            for k, v in example.items()
-        },
+        batch_abstract=_batch_abstract(example, global_bs, batch_sh),
         shardings=(state_sh, batch_sh, repl),
         say=say,
     )
@@ -175,10 +166,7 @@ def build_experiment(
         abstract=abstract,
         init=init,
         tx=tx,
-        step_fn=steps.step_fn,
-        jit_kwargs=steps.jit_kwargs,
-        train_step=steps.train_step,
-        eval_step=steps.eval_step,
+        **steps._asdict(),  # step_fn, jit_kwargs, train_step, eval_step, metric_names
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         say=say,
@@ -186,8 +174,27 @@ def build_experiment(
         plan_file=plan_file,
         auto_choice=choice,
         loss=loss,
-        metric_names=steps.metric_names,
     )
+
+
+def _batch_abstract(example: dict[str, Any], global_bs: int, sharding: Any) -> dict[str, Any]:
+    """The global batch's shapes, dtypes and sharding, from a one-example batch."""
+    return {
+        k: jax.ShapeDtypeStruct((global_bs, *v.shape[1:]), v.dtype, sharding=sharding)
+        for k, v in example.items()
+    }
+
+
+def _chosen_form(
+    cfg: Config, plan: Any, options: dict[str, Any], **auto: Any
+) -> tuple[dict[str, Any], Any, Path | None, Any]:
+    """``(options, plan, plan_file, choice)``: for ``remat: {policy: auto}``, the form and plan
+    the planner chose (its options on the model's, its own remat if it sets one; the state is
+    built from this model) with the plan file and the choice; otherwise as given."""
+    if not isinstance(plan, AutoRequest):
+        return options, plan, None, None
+    plan_file, choice = _auto_plan(cfg, plan, options=options, **auto)
+    return {**options, **choice.model_options}, choice.policy, plan_file, choice
 
 
 def _optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
