@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("remat_nn", "models", "train", "benchmarks")
 MAX_FUNCTION_LINES = 80  # lines of a function without its docstring, in remat_nn/ and train/
 LONG_FUNCTIONS: dict[str, str] = {
-    # "path.py:function": "why it stays long",
-    "train/experiment.py:build_experiment": "assembles the Experiment (26 of its lines fill the "
-    "dataclass's fields); split further, its phases would pass a dozen values to each other",
+    # "path.py:function": "why it stays long" (none today)
 }
 _ANALYSIS = "the invertible benchmark times rn.invertible's analysis itself, apart from tracing"
 _JAX = "remat_nn._jax_internals is the one module that imports JAX's private API; not re-exported"
