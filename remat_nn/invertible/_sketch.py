@@ -80,8 +80,16 @@ def _hash(j: np.ndarray) -> np.ndarray:
 
 
 def _grid(n: int) -> tuple[int, int]:
-    """``(rows, cols)``: ``cols = ceil(sqrt(n))``, ``rows * cols >= n`` (zeros pad the rest)."""
-    cols = max(1, math.isqrt(n - 1) + 1) if n > 1 else 1
+    """``(rows, cols)`` with ``rows * cols >= n``: ``cols`` the divisor of ``n`` nearest below
+    ``sqrt(n)`` if it is at least a quarter of it (the reshape is free), else
+    ``ceil(sqrt(n))`` and zeros pad the rest (a copy of the value: a padded grid made the
+    projection of a (64, 512) value 1.6x slower, 52 against 32 us)."""
+    root = math.isqrt(n)
+    cols = max(1, root)
+    while n % cols:
+        cols -= 1
+    if 4 * cols < root:
+        cols = max(1, math.isqrt(n - 1) + 1) if n > 1 else 1
     return -(-n // cols), cols
 
 
