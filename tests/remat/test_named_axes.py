@@ -166,6 +166,18 @@ class _NNXBNDense(nnx.Module):
         return jnp.tanh(self.dense(self.bn(x)))
 
 
+def _nnx_run(graphdef: Any) -> Callable[..., Any]:
+    """An NNX model's case function: the model merged from ``params`` and ``stats``, its loss and
+    its BatchNorm averages after the forward pass."""
+
+    def f(params: Any, stats: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+        model = nnx.merge(graphdef, params, stats, copy=True)
+        out = model(x)
+        return jnp.sum(jnp.sin(out) + out**2), nnx.state(model, nnx.BatchStat)
+
+    return f
+
+
 def _nnx_reversible() -> Case:
     def make(reversible: bool) -> rnnx.ReversibleSequence:
         coupling = lambda r: rnnx.AdditiveCoupling(_NNXBNDense(r), _NNXBNDense(r))  # noqa: E731
@@ -174,15 +186,9 @@ def _nnx_reversible() -> Case:
     graphdef, params, stats = nnx.split(make(True), nnx.Param, nnx.BatchStat)
     plain_def = nnx.graphdef(make(False))
 
-    def run(gd: Any) -> Callable[..., Any]:
-        def f(params: Any, stats: Any, x: jax.Array) -> tuple[jax.Array, Any]:
-            model = nnx.merge(gd, params, stats, copy=True)
-            out = model(x)
-            return jnp.sum(jnp.sin(out) + out**2), nnx.state(model, nnx.BatchStat)
-
-        return f
-
-    return Case(run(graphdef), run(plain_def), params, _normal(2, (B, D)), stats, axis=True)
+    return Case(
+        _nnx_run(graphdef), _nnx_run(plain_def), params, _normal(2, (B, D)), stats, axis=True
+    )
 
 
 class _NNXTiedNet(nnx.Module):
@@ -202,15 +208,8 @@ def _nnx_tied_remat() -> Case:
     graphdef, params, stats = nnx.split(_NNXTiedNet(True, nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
     plain_def = nnx.graphdef(_NNXTiedNet(False, nnx.Rngs(0)))
 
-    def run(gd: Any) -> Callable[..., Any]:
-        def f(params: Any, stats: Any, x: jax.Array) -> tuple[jax.Array, Any]:
-            model = nnx.merge(gd, params, stats, copy=True)
-            out = model(x)
-            return jnp.sum(jnp.sin(out) + out**2), nnx.state(model, nnx.BatchStat)
-
-        return f
-
-    return Case(run(graphdef), run(plain_def), params, _normal(2, (B, D // 2)), stats, axis=True)
+    x = _normal(2, (B, D // 2))
+    return Case(_nnx_run(graphdef), _nnx_run(plain_def), params, x, stats, axis=True)
 
 
 def _coupling(p: Any, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
