@@ -11,7 +11,6 @@ under one remat restores under another.
 from __future__ import annotations
 
 import re
-import sys
 import textwrap
 
 import pytest
@@ -59,21 +58,8 @@ MODEL = textwrap.dedent(
 
 
 @pytest.fixture
-def base(tmp_path, monkeypatch):
-    (tmp_path / "remat_model.py").write_text(MODEL)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield [
-        "model.module=remat_model:build",
-        "data.source=digits",
-        "data.batch_size=16",
-        "train.steps=2",
-        "train.eval_every=2",
-        "train.plot=false",
-        "checkpoint.every=2",
-        "mesh.data=1",
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    sys.modules.pop("remat_model", None)
+def base(user_model):
+    return ["model.module=remat_model:build", *user_model("remat_model", MODEL)]
 
 
 def _temp(out: str) -> str:

@@ -10,7 +10,6 @@ own keys is refused with the fix (the trainer's seed would not reach its paramet
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
@@ -61,20 +60,8 @@ MODEL = textwrap.dedent(
 
 
 @pytest.fixture
-def base(tmp_path, monkeypatch):
-    (tmp_path / "nnx_model.py").write_text(MODEL)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield [
-        "data.source=digits",
-        "data.batch_size=16",
-        "train.steps=2",
-        "train.eval_every=2",
-        "train.plot=false",
-        "checkpoint.every=2",
-        "mesh.data=1",
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    sys.modules.pop("nnx_model", None)
+def base(user_model):
+    return user_model("nnx_model", MODEL)
 
 
 @pytest.mark.parametrize("ref", ["nnx_model:Net", "nnx_model:build"])
