@@ -422,7 +422,6 @@ def test_nnx_remat_scan_values_and_gradients_are_nnx_scans(kw):
     n, xs = 11, jnp.linspace(0.5, 1.5, 11)
     layers = _nnx_layers(n)
     ours = functools.partial(rnnx.remat_scan, _nnx_step, policy="save=mlp_hidden", **kw)
-    ours = lambda layers, h, xs, ours=ours: ours(layers, h, xs)  # noqa: E731
     assert rel_err(jax.jit(ours)(layers, H0, xs), _nnx_scan(layers, H0, xs)) <= TOL
     grad = lambda run: nnx.grad(functools.partial(_nnx_loss, run), argnums=(0, 1))  # noqa: E731
     (g_layers, g_h), (w_layers, w_h) = (
@@ -444,8 +443,7 @@ def test_nnx_remat_scan_holds_fewer_carries_than_nnx_scan():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    nested = functools.partial(rnnx.remat_scan, _nnx_step, levels=2, policy="full")
-    ours = temp(lambda layers, h, xs: nested(layers, h, xs))
+    ours = temp(functools.partial(rnnx.remat_scan, _nnx_step, levels=2, policy="full"))
     theirs = temp(_nnx_scan)
     carries = n * h.size * 4  # nnx.scan keeps every layer's input
     print(f"temp: rnnx.remat_scan levels=2 {ours:,} B, nnx.scan(nnx.remat) {theirs:,} B")
