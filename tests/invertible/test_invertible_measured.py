@@ -113,6 +113,25 @@ def test_the_estimate_never_exceeds_the_norm_and_a_lost_value_is_infinite():
         assert float(_sketch.drift(x.at[0, 0].set(bad), _sketch.sketch(x, 0), 0)) == np.inf
 
 
+def test_the_quantization_power_is_frexps_over_the_whole_float32_range():
+    """``_power`` reads the exponent from the bits: it equals ``2**clip(30 - e, -125, 126)``
+    with ``frexp``'s ``e``, for magnitudes drawn log-uniformly over float32's range, its edges
+    (subnormals, the largest float, powers of two and their neighbours) and 0, inf, NaN."""
+    rng = np.random.default_rng(0)
+    info = np.finfo(np.float32)
+    drawn = np.exp(rng.uniform(np.log(info.smallest_subnormal), np.log(info.max), 4000))
+    twos = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
+    edges = [0.0, np.inf, np.nan, info.max, info.tiny, info.smallest_subnormal, 1.0]
+    tops = np.concatenate(
+        [drawn, twos, np.nextafter(twos, 0), np.nextafter(twos, np.inf), edges]
+    ).astype(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(_sketch._power))(jnp.asarray(tops)))
+    exponent = np.where(np.isfinite(tops), np.frexp(np.where(np.isfinite(tops), tops, 0))[1], 0)
+    want = np.ldexp(np.float32(1), np.clip(30 - exponent, -125, 126)).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.float32
+
+
 def test_the_cap_only_lowers_the_propagated_error():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 16))
     err = (jnp.float32(1e-4), jnp.float32(1e-3), jnp.float32(0))
