@@ -203,10 +203,19 @@ def _dot_general(eqn, ins, errs, outs) -> list:
     err = None
     for e, x, other, axes in ((ea, a, b, rc), (eb, b, a, lc)):
         if e is not None:
-            top = scale(spread(e, x))
+            top = spread(e, scale(x))  # the largest of x's per-element errors (they grow with |x|)
             part = top * scale(_root_sum_square(after(other, top), axes))
-            err = add(err, summarize(jnp.broadcast_to(part, jnp.shape(y)), y, e[2]))
+            err = add(err, uniform(part, y, e[2]))
     return [err]
+
+
+def uniform(part: Any, y: Any, floor: Any) -> Err:
+    """:func:`summarize` of the error ``part`` in every element of ``y``, from one reduction of
+    ``y`` (the broadcast's own maximum is ``|part|``)."""
+    part = jnp.abs(jnp.asarray(part, jnp.float32))
+    mag = jnp.abs(jnp.asarray(y)).astype(jnp.float32)
+    ratio = jnp.max(jnp.where(part == 0, 0.0, part / mag), initial=0.0)  # inf where y_j = 0
+    return (part if jnp.size(y) else jnp.zeros((), jnp.float32)), ratio, floor
 
 
 def _reduce_sum(eqn, ins, errs, outs) -> list:

@@ -157,6 +157,12 @@ def drift(rebuilt: Any, recorded: Sketch, seed: int = 0) -> Any:
     """An estimate (float32) of ``||rebuilt - x||_2`` from ``x``'s sketch: at least the change
     of ``max|.|`` (a lower bound of every element's drift); inf where ``rebuilt`` is not
     finite; NaN where ``x``'s own scale is not (nothing measured)."""
+    return measure(rebuilt, recorded, seed)[0]
+
+
+def measure(rebuilt: Any, recorded: Sketch, seed: int = 0) -> tuple[Any, Any]:
+    """:func:`drift`, and ``max|rebuilt|`` (float32), which it reads on the way and
+    :func:`capped` needs (one reduction of the rebuilt value, not two)."""
     rebuilt = _wide(rebuilt)
     rebuilt_top = jnp.max(jnp.abs(rebuilt)).astype(jnp.float32)
     top, projections = recorded
@@ -170,15 +176,18 @@ def drift(rebuilt: Any, recorded: Sketch, seed: int = 0) -> Any:
     spread_max = SAFETY * norm * math.sqrt(2 * math.log(2 * n) / n)
     est = jnp.maximum(jnp.minimum(spread_max, norm), jnp.abs(rebuilt_top - top))
     est = jnp.where(jnp.isfinite(rebuilt_top), est.astype(jnp.float32), jnp.inf)
-    return jnp.where(jnp.isfinite(top), est, jnp.nan)
+    return jnp.where(jnp.isfinite(top), est, jnp.nan), rebuilt_top
 
 
-def capped(err: _errors.Err, rebuilt: Any, measured: Any) -> _errors.Err:
-    """``err`` (the propagated estimate) capped by the measured drift ``measured``: its absolute
-    part at most ``measured``, its relative part shrunk in proportion. Unchanged where nothing
-    was measured (NaN) or the measurement is larger (the cap never raises an error)."""
+def capped(err: _errors.Err, top: Any, measured: Any) -> _errors.Err:
+    """``err`` (the propagated estimate) of a value whose ``max|.|`` is ``top``
+    (:func:`measure`) capped by the measured drift ``measured``: its absolute part at most
+    ``measured``, its relative part shrunk in proportion. Unchanged where nothing was measured
+    (NaN) or the measurement is larger (the cap never raises an error)."""
     a, r, floor = err
-    largest = _errors.scale(_errors.spread(err, rebuilt))
+    # The largest of the per-element errors min(A, R |x_j|) (_errors.spread), which grow with
+    # |x_j|: min(A, R max|x|), NaN (inf * 0, a NaN element) picking A as spread does.
+    largest = _errors.spread(err, top)
     shrink = jnp.where(largest > 0, measured / largest, 1.0)
     shrink = jnp.where(jnp.isnan(shrink) | (shrink > 1), 1.0, shrink)
     r = jnp.where(shrink == 1, r, jnp.where(shrink == 0, 0.0, r * shrink))  # not inf * 0

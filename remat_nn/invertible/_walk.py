@@ -309,11 +309,11 @@ class _State:
         """Records ``v``'s error, computed at this step (the value depends on it); capped by
         the drift measured against the forward pass's sketch of ``v``, if it kept one."""
         if v in self.sketches:
-            measured = _sketch.drift(self.env[v], self.sketches[v])
+            measured, top = _sketch.measure(self.env[v], self.sketches[v])
             # Under shard_map the packed sketches vary over every value's axes: a value
             # varying over fewer keeps its propagated error (its type must not change).
             if varying(measured) <= varying(self.env[v]):
-                e = _sketch.capped(e, self.env[v], measured)
+                e = _sketch.capped(e, top, measured)
         self.err[v], self.env[v] = e, _errors.after(self.env[v], sum(e))
 
     def forward(self, eqn) -> None:

@@ -54,6 +54,26 @@ def test_a_contraction_carries_the_root_sum_square_of_its_columns():
     assert float(err[0]) == pytest.approx(1e-3 * 5.0)  # column (3, 4, 0): norm 5, sum |w| 7
 
 
+def test_one_error_in_every_element_summarizes_as_its_broadcast():
+    """A contraction's error, the same in every output element, is summarized from one
+    reduction of the output (``uniform``): bit for bit what ``summarize`` makes of its
+    broadcast, for errors 0, tiny, huge, inf and NaN and outputs with zeros, infs and NaNs,
+    magnitudes log-uniform over float32's range, and an empty one. (Normal errors: a
+    subnormal one may read 0 through the broadcast's reduction, as XLA:CPU flushes them.)"""
+    rng = np.random.default_rng(0)
+    mags = np.exp(rng.uniform(np.log(1e-38), np.log(1e38), (5, 8))).astype(np.float32)
+    outputs = [mags, np.zeros((2, 3), np.float32), np.zeros((0, 4), np.float32)]
+    outputs += [np.where(mags > 1, np.float32(bad), -mags) for bad in (0, np.inf, np.nan)]
+    floor = jnp.float32(1e-7)
+    for y in map(jnp.asarray, outputs):
+        for part in (0.0, 1e-37, 1e-6, 3.0, 1e38, np.inf, np.nan):
+            part = jnp.float32(part)
+            want = _errors.summarize(jnp.broadcast_to(part, y.shape), y, floor)
+            got = _errors.uniform(part, y, floor)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"part {part}, y {y.shape}")
+
+
 def test_a_sum_over_n_terms_grows_the_error_by_sqrt_n():
     x = jnp.ones((4, 16))
     eqn = _eqn(lambda x: jnp.sum(x, axis=1), x, prim=prims.reduce_sum_p)

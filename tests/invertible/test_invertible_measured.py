@@ -73,7 +73,11 @@ def test_a_stack_whose_rebuild_drifts_is_still_refused():
 def test_with_the_measurement_reading_no_drift_the_drifting_stack_passes_silently():
     """The mutation: a drift of 0 everywhere. The drifting stack is then accepted with its wrong
     gradient, so the measurement, not the propagated estimate, is what refuses it."""
-    with mock.patch.object(_sketch, "drift", lambda rebuilt, recorded: jnp.float32(0)):
+
+    def reads_no_drift(rebuilt, recorded):
+        return jnp.float32(0), jnp.max(jnp.abs(rebuilt)).astype(jnp.float32)
+
+    with mock.patch.object(_sketch, "measure", reads_no_drift):
         grad, args = _drifting()
         jax.block_until_ready(grad(*args))  # not refused
 
@@ -134,11 +138,38 @@ def test_the_quantization_power_is_frexps_over_the_whole_float32_range():
 
 def test_the_cap_only_lowers_the_propagated_error():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 16))
-    err = (jnp.float32(1e-4), jnp.float32(1e-3), jnp.float32(0))
-    for measured, expect in ((jnp.float32(1e-6), 1e-6), (jnp.float32(1.0), 1e-4), (jnp.nan, 1e-4)):
-        a, r, _ = _sketch.capped(err, x, measured)
-        assert float(a) == pytest.approx(expect)
-        assert float(r) <= float(err[1])
+    for a_part in (1e-4, 1e-2):  # the largest error its absolute part, then its relative one
+        err = (jnp.float32(a_part), jnp.float32(1e-3), jnp.float32(0))
+        largest = min(a_part, 1e-3 * float(jnp.max(jnp.abs(x))))  # of the per-element errors
+        for measured in (jnp.float32(1e-6), jnp.float32(1.0), jnp.float32(jnp.nan)):
+            a, r, _ = _sketch.capped(err, jnp.max(jnp.abs(x)), measured)
+            assert float(a) == pytest.approx(
+                a_part if jnp.isnan(measured) else min(a_part, measured)
+            )
+            # The relative part shrinks as the largest error does (never grows).
+            shrink = 1.0 if jnp.isnan(measured) else min(1.0, float(measured) / largest)
+            assert float(r) == pytest.approx(1e-3 * shrink)
+
+
+def test_the_cap_reads_the_largest_error_from_the_values_scale():
+    """``capped`` takes the largest per-element error as ``min(A, R max|x|)`` from the scale
+    ``measure`` read: the largest of ``_errors.spread``'s per-element errors, whatever the
+    error's parts (0, tiny, huge, inf, NaN) and the value (zeros, a NaN, an inf, magnitudes
+    log-uniform over float32's range)."""
+    from remat_nn.invertible import _errors
+
+    rng = np.random.default_rng(0)
+    mags = np.exp(rng.uniform(np.log(1e-38), np.log(1e38), (6, 16))).astype(np.float32)
+    values = [mags * rng.choice([-1, 1], mags.shape), np.zeros((3, 4), np.float32)]
+    values += [np.where(mags > 1, np.float32(bad), mags) for bad in (np.nan, np.inf, 0)]
+    parts = [0.0, 1e-30, 1e-6, 1.0, 1e30, np.inf, np.nan]
+    for x in map(jnp.asarray, values):
+        for a in parts:
+            for r in parts:
+                err = (jnp.float32(a), jnp.float32(r), jnp.float32(0))
+                want = _errors.scale(_errors.spread(err, x))
+                got = _errors.spread(err, jnp.max(jnp.abs(x)))
+                np.testing.assert_array_equal(got, want, err_msg=f"A={a} R={r}")
 
 
 def test_the_sketches_cost_their_own_bytes_not_copies_of_the_activations():
