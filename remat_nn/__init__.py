@@ -62,7 +62,7 @@ from remat_nn._compare import RelativeError, relative_error
 # --- reversible: couplings and drift checks -------------------------------------------------------
 from remat_nn._drift import SCOPE as DRIFT_SCOPE
 from remat_nn._drift import drift_recomputes
-from remat_nn._reversible import (
+from remat_nn._coupling import (
     ReversibleBlock,
     additive_combine,
     additive_uncombine,
@@ -70,10 +70,8 @@ from remat_nn._reversible import (
     affine_uncombine,
     check_invertible,
     coupling_block,
-    inverse_scan,
-    plain_scan,
-    reversible_scan,
 )
+from remat_nn._reversible import inverse_scan, plain_scan, reversible_scan
 
 __all__ = [
     "__version__",

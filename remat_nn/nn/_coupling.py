@@ -23,13 +23,13 @@ import flax.linen as fnn
 import jax
 
 from remat_nn import names
-from remat_nn._halves import couple, uncouple
-from remat_nn._reversible import (
+from remat_nn._coupling import (
     additive_combine,
     additive_uncombine,
     affine_combine,
     affine_uncombine,
 )
+from remat_nn._halves import couple, uncouple
 from remat_nn.names import name
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling"]

@@ -28,14 +28,9 @@ import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 
+from remat_nn._coupling import ReversibleBlock, coupling_block
 from remat_nn._halves import merge_halves, split_halves
-from remat_nn._reversible import (
-    ReversibleBlock,
-    coupling_block,
-    inverse_scan,
-    plain_scan,
-    reversible_scan,
-)
+from remat_nn._reversible import inverse_scan, plain_scan, reversible_scan
 from remat_nn.nn._coupling import Coupling
 
 __all__ = ["ReversibleSequence", "coupling_layer"]

@@ -18,13 +18,13 @@ from typing import Any
 from flax import nnx
 
 from remat_nn import names
-from remat_nn._halves import couple, uncouple
-from remat_nn._reversible import (
+from remat_nn._coupling import (
     additive_combine,
     additive_uncombine,
     affine_combine,
     affine_uncombine,
 )
+from remat_nn._halves import couple, uncouple
 from remat_nn.names import name
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling"]
