@@ -54,7 +54,8 @@ from remat_nn.invertible import (
 
 # --- the optimizer update inside the backward pass ----------------------------------------------
 from remat_nn._fused_stages import FusedStage, fused_update_stages
-from remat_nn._fused_update import FusedUpdateError, fused_update_step
+from remat_nn._fused_state import FusedUpdateError
+from remat_nn._fused_update import fused_update_step
 
 # --- comparing gradients -------------------------------------------------------------------------
 from remat_nn._compare import RelativeError, relative_error

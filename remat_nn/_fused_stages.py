@@ -20,19 +20,21 @@ import jax
 import jax.numpy as jnp
 
 from remat_nn import _drift, _named_axes
-from remat_nn._fused_update import (
-    _backward_update,
+from remat_nn._fused_state import (
     _check_element_wise,
-    _clipped,
-    _Inputs,
     _Layout,
     _read,
-    _segments,
     _split,
     _squared_norm,
     _stack_halves,
-    _stack_norm,
     _update_rest,
+)
+from remat_nn._fused_update import (
+    _backward_update,
+    _clipped,
+    _Inputs,
+    _segments,
+    _stack_norm,
     check_clip_norm,
     check_save_every,
     drift_check,
