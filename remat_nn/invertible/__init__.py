@@ -3,7 +3,9 @@
 The table of contents; the algorithm is explained in README.md beside this file.
 
 - ``_jaxpr``: evaluating and differentiating single equations.
-- ``_primitive_rules``: per-primitive inverses with their exactness guards (the registry).
+- ``_primitive_rules``: the registry of per-primitive inverses with their exactness guards;
+  the rules, registered when this package is imported: ``_arithmetic_rules`` (add, mul, div,
+  exp, log, ...) and ``_structural_rules`` (identities, layout, exact dtype changes).
 - ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp,
   slices that tile their operand.
 - ``_tiling``: finding the sets of slices that tile their operand, and putting them back.
@@ -18,6 +20,7 @@ from remat_nn.invertible._api import Invertible, invertible
 from remat_nn.invertible._custom_ivjp import custom_ivjp
 from remat_nn.invertible._primitive_rules import Guard, PrimitiveRule, register_inverse
 from remat_nn.invertible._report import InversionEntry, InversionReport, inversion_report
+from remat_nn.invertible import _arithmetic_rules, _structural_rules  # noqa: F401  (registers)
 
 __all__ = [
     "Guard",
