@@ -20,6 +20,7 @@ from models import resnet as rs
 from models import revnet as rv
 from models import summary
 from models import transformer as tr
+from models import transformer_layers as tl
 from remat_nn import nn
 from tests.gradients import random_variables, rel_err
 
@@ -269,12 +270,12 @@ def _rope_by_complex_rotation(x):
 
 def test_rotary_positions_rotate_by_position_and_depend_only_on_offsets():
     x = jax.random.normal(jax.random.key(0), (2, 6, 2, 8))  # (B, T, H, K)
-    assert rel_err(tr._rotary(x), _rope_by_complex_rotation(x)) < 1e-6
-    assert rel_err(tr._rotary(x)[:, 0], x[:, 0]) == 0.0  # position 0: no rotation
+    assert rel_err(tl._rotary(x), _rope_by_complex_rotation(x)) < 1e-6
+    assert rel_err(tl._rotary(x)[:, 0], x[:, 0]) == 0.0  # position 0: no rotation
     # The same query and key at every position: scores depend on s - t only.
     q = jnp.broadcast_to(x[:, :1], x.shape)
     k = jnp.broadcast_to(x[:, 1:2], x.shape)
-    scores = jnp.einsum("bthk,bshk->bhts", tr._rotary(q), tr._rotary(k))  # (B, H, T, T)
+    scores = jnp.einsum("bthk,bshk->bhts", tl._rotary(q), tl._rotary(k))  # (B, H, T, T)
     assert rel_err(scores[..., 1:, 1:], scores[..., :-1, :-1]) < 1e-5
     assert rel_err(scores[..., :, 1:], scores[..., :, :-1]) > 1e-2  # ...but on the offset
 
@@ -294,7 +295,7 @@ def _independent_attention(p, x, rotate=lambda q: q):
 
 
 def test_rotary_attention_values_and_gradients_match_an_independent_computation():
-    attn = tr.CausalSelfAttention(n_heads=2, rotary=True)
+    attn = tl.CausalSelfAttention(n_heads=2, rotary=True)
     x = 0.5 * jax.random.normal(jax.random.key(1), (2, 6, 16))  # (B, T, D)
     params = attn.init(jax.random.key(2), x)["params"]
     independent = lambda p, x: _independent_attention(p, x, _rope_by_complex_rotation)
@@ -309,7 +310,7 @@ def test_rotary_attention_values_and_gradients_match_an_independent_computation(
     # The key bias gets an exact gradient of 0 (softmax ignores a per-query constant) but the
     # rotation makes it position-dependent: it is a real gradient here.
     assert rel_err(got, want) < 1e-5, rel_err(got, want)
-    learned = tr.CausalSelfAttention(n_heads=2, rotary=False)
+    learned = tl.CausalSelfAttention(n_heads=2, rotary=False)
     plain = jax.grad(loss(lambda p, x: learned.apply({"params": p}, x)), argnums=(0, 1))(params, x)
     assert rel_err(plain, want) > 1e-2  # the rotation is seen by the comparison
 
@@ -318,7 +319,7 @@ def test_float64_attention_computes_its_softmax_in_float64():
     """The softmax runs in at least float32: bf16 widened, float64 kept (it was cast to float32
     whatever the dtype, so a float64 model agreed with float64 math to ~1e-7 only)."""
     with jax.enable_x64(True):
-        attn = tr.CausalSelfAttention(n_heads=2, dtype=jnp.float64)
+        attn = tl.CausalSelfAttention(n_heads=2, dtype=jnp.float64)
         x = jax.random.normal(jax.random.key(1), (2, 6, 16), jnp.float64)
         params = attn.init(jax.random.key(2), x)["params"]
         got = attn.apply({"params": params}, x)
