@@ -26,7 +26,7 @@ import remat_nn as rn
 from train import losses as losses_lib
 from train.config import Config
 from train.errors import SetupError
-from train.state import STEP_METRICS, TrainState
+from train.state import STEP_METRICS, TrainState, cast_floats
 
 __all__ = ["make_fused_train_step", "refusal", "train_step"]
 
@@ -95,13 +95,6 @@ def _parts(spec: models.ModelSpec, model: Any) -> models.LayerStack | models.Sta
         return spec.layer_stack(model)
     assert spec.stage_stacks is not None  # refusal() checked that the model has one
     return spec.stage_stacks(model)
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """The float leaves of ``tree`` in ``dtype`` (the compute dtype), the others as they are."""
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
 
 
 def make_fused_train_step(

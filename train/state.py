@@ -24,6 +24,7 @@ from train.config import Optim
 __all__ = [
     "TrainState",
     "accumulated_value_and_grad",
+    "cast_floats",
     "decay_mask",
     "decay_summary",
     "decayed_paths",
@@ -188,7 +189,8 @@ def make_init(
 # --- step -----------------------------------------------------------------------------------------
 
 
-def _cast_floats(tree: Any, dtype: Any) -> Any:
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """The float leaves of ``tree`` in ``dtype`` (the compute dtype), the others as they are."""
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
@@ -209,7 +211,7 @@ def make_loss_fn(
     """
 
     def loss_fn(params, batch_stats, batch, key):
-        variables = {"params": _cast_floats(params, compute_dtype)}
+        variables = {"params": cast_floats(params, compute_dtype)}
         if has_batch_stats:
             variables["batch_stats"] = batch_stats
         x = batch["x"]
@@ -368,7 +370,7 @@ def make_eval_step(
     each metric, and its example count, to ``sums`` (start from :func:`eval_zeros`)."""
 
     def eval_step(state: TrainState, batch: dict[str, jax.Array], sums: dict[str, jax.Array]):
-        variables = {"params": _cast_floats(state.params, compute_dtype)}
+        variables = {"params": cast_floats(state.params, compute_dtype)}
         if has_batch_stats:
             variables["batch_stats"] = state.batch_stats
         x = batch["x"]

@@ -15,9 +15,10 @@ References:
 from remat_nn.planner._budget import parse_budget
 from remat_nn.planner._solver import Candidate, NameCost, solve
 from remat_nn.planner._report import PlanReport, Tried
-from remat_nn.planner._plan_for_budget import plan_for_budget
+from remat_nn.planner._plan_for_budget import check_allow, plan_for_budget
 
 __all__ = [
+    "check_allow",
     "Candidate",
     "NameCost",
     "PlanReport",

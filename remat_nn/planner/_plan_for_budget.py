@@ -17,7 +17,7 @@ import jax
 
 from remat_nn._memory import format_bytes, memory_report
 from remat_nn._peak import explain_later
-from remat_nn._plan import Plan, names_in_jaxpr
+from remat_nn._plan import ACTIONS, Plan, names_in_jaxpr
 from remat_nn._policies import check_takes_policy
 from remat_nn.errors import PlanError
 from remat_nn.planner import _measure
@@ -27,7 +27,6 @@ from remat_nn.planner._solver import Candidate, NameCost, _corrected, _predict, 
 
 __all__ = ["plan_for_budget"]
 
-_ACTIONS = ("save", "offload", "recompute")
 
 _INVERT = (
     "plan_for_budget: 'invert' is not a per-name choice the planner can make for a fixed model: "
@@ -43,7 +42,7 @@ def plan_for_budget(
     fn: Callable[..., Any],
     *args: Any,
     budget: str | int | float,
-    allow: Sequence[str] = ("save", "offload", "recompute"),
+    allow: Sequence[str] = ACTIONS,
     host_bandwidth: float = 16e9,
     flops_per_second: float | None = None,
     memory_bandwidth: float | None = None,
@@ -212,15 +211,32 @@ class _Session:
         )
 
 
+def check_allow(allow: Any) -> tuple[str, ...]:
+    """``allow``, the actions a plan may use, checked: a list or tuple holding ``'save'`` and
+    any of ``'offload'``, ``'recompute'`` (:data:`remat_nn._plan.ACTIONS`). The one check of it,
+    the planner's and the trainer's (``remat.allow``).
+
+    Raises:
+      PlanError: naming the value and the fix (``'invert'``: the reversible model instead).
+
+    >>> from remat_nn.planner import check_allow
+    >>> check_allow(["save", "recompute"])
+    ('save', 'recompute')
+    """
+    if isinstance(allow, list | tuple) and "invert" in allow:
+        raise PlanError(_INVERT)
+    if not isinstance(allow, list | tuple) or "save" not in allow or not set(allow) <= set(ACTIONS):
+        raise PlanError(
+            f"plan_for_budget: `allow` must list 'save' and any of 'offload', 'recompute', got "
+            f"{allow!r}. Fix: e.g. allow=['save', 'recompute'] (offload too where a device has "
+            "host memory)."
+        )
+    return tuple(allow)
+
+
 def _allowed_actions(allow: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
     # The actions to plan with, and a note per action left out.
-    if "invert" in allow:
-        raise PlanError(_INVERT)
-    bad = [a for a in allow if a not in _ACTIONS]
-    if bad or "save" not in allow:
-        raise PlanError(
-            f"plan_for_budget: `allow` must include 'save' and only {_ACTIONS}, got {tuple(allow)}."
-        )
+    allow = check_allow(allow)
     notes = []
     if "offload" in allow and jax.default_backend() == "cpu":
         allow = tuple(a for a in allow if a != "offload")

@@ -479,3 +479,28 @@ def test_model_module_is_exclusive_with_model_name_and_names_the_fix(tmp_path, m
     bad = load_config(None, [f"model.module={mod}:not_a_module"]).model.spec()
     with pytest.raises(models.ModuleError, match="returned a str, not a flax.linen.Module"):
         models.build(bad, num_classes=3)
+
+
+def test_remat_allow_is_checked_by_the_planners_own_rule():
+    """``remat.allow`` in a config is refused exactly where ``rn.plan_for_budget`` refuses it
+    (one check, ``remat_nn.planner.check_allow``), the orders, subsets and wrong values alike."""
+    import itertools
+
+    import remat_nn as rn
+    from remat_nn.planner import check_allow
+    from train.config._remat import request_errors
+
+    words = ["save", "offload", "recompute", "invert", "dots", "Save"]
+    values: list = [list(c) for n in range(4) for c in itertools.permutations(words, n)]
+    values += ["save", None, 3, {"save": 1}, ("save",)]
+    refused = {True: 0, False: 0}
+    for allow in values:
+        try:
+            check_allow(allow)
+            planner_refuses = False
+        except rn.PlanError:
+            planner_refuses = True
+        paths = [p for p, _ in request_errors({"policy": "auto", "budget": 0.5, "allow": allow})]
+        assert ("remat.allow" in paths) == planner_refuses, allow
+        refused[planner_refuses] += 1
+    assert refused[True] > 100 and refused[False] >= 10  # both answers are exercised

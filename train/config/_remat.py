@@ -16,6 +16,7 @@ from typing import Any, Literal
 import pydantic
 
 import remat_nn as rn
+from remat_nn.planner import check_allow
 from train.errors import SetupError
 
 __all__ = ["AutoRequest", "RematRequest", "is_auto", "parse_remat", "request_errors"]
@@ -62,11 +63,9 @@ def request_errors(remat: Mapping[str, Any]) -> list[tuple[str, str]]:
         except (TypeError, ValueError) as e:
             errors.append(("remat.budget", str(e)))
     allow = remat.get("allow", ["save"])
-    if (
-        not isinstance(allow, list)
-        or "save" not in allow
-        or not set(allow) <= set(("save", "offload", "recompute"))
-    ):
+    try:
+        check_allow(allow)
+    except rn.PlanError:
         hint = ""
         if isinstance(allow, list) and "invert" in allow:
             hint = "; invert is not per name: build a reversible model (model.options.reversible)"
