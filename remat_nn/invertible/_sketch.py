@@ -70,7 +70,7 @@ def _power(top: Any) -> Any:
     (``top < 2**e``; 0 for 0, inf and NaN), a normal float32, exact.
 
     Read from the bits, not by ``frexp``/``ldexp`` (93 operations for XLA to compile per
-    sketch, against 13): a normal float32 with exponent field ``E`` is below ``2**(E - 126)``.
+    sketch, against 25): a normal float32 with exponent field ``E`` is below ``2**(E - 126)``.
     A subnormal reads as ``E - 126 = -126``, above ``frexp``'s exponent, and both clip to 126.
     Tested on the bits alone, so a CPU that flushes subnormals to zero reads them the same."""
     bits = lax.bitcast_convert_type(top.astype(jnp.float32), jnp.int32)

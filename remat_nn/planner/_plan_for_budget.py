@@ -25,7 +25,7 @@ from remat_nn.planner._budget import parse_budget
 from remat_nn.planner._report import PlanReport, Tried, _short
 from remat_nn.planner._solver import Candidate, NameCost, _corrected, _predict, solve
 
-__all__ = ["plan_for_budget"]
+__all__ = ["check_allow", "plan_for_budget"]
 
 
 _INVERT = (
