@@ -262,16 +262,22 @@ def _is_16_bit(dtype: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact) and jnp.finfo(dtype).bits <= 16
 
 
-#: The derivative checks' tolerance in units of ``rtol`` (the default 1e-5: 2.5e-4, about the
-#: reversible stacks' default drift tolerance, 2048 float32 epsilons). A derivative taken at
-#: a rebuilt value moves the gradient by about its own relative change, the same currency as a
-#: rebuilt layer input's drift; but the error the walk carries into it is a propagated bound
-#: (capped by the forward's sketches where it kept them), pessimistic: on the 144 float32 scan
-#: cells of the canonical-stacks matrix (benchmarks/results/invertible.md), with every check at
-#: ``rtol`` 1e-5, 56 were refused whose unchecked gradient was within 10x of plain autodiff's
-#: own error against float64; with every check at 1e-2, 4 were, and none was accepted further
-#: than 100x.
-DERIVATIVE_SLACK = 25
+#: The derivative checks' tolerance in units of ``rtol`` (the default 1e-5: 1e-2). A derivative
+#: taken at a rebuilt value moves the gradient by about its own relative change; but the error
+#: the walk carries into it is a propagated estimate (capped by the forward's sketches where it
+#: kept them), pessimistic, and in a stack whose float32 forward is itself ill-conditioned the
+#: real drift is of the order of plain autodiff's own error. Set on the canonical-stacks matrix
+#: (benchmarks/results/invertible.md; rn.invertible's 112 cells refused at 25, swept): at 25
+#: (2.5e-4), 52 refusals were false (the unchecked gradient within 10x of plain autodiff's own
+#: error against float64), 21 of them where that error is below 1e-2; at 250 (2.5e-3) 38 and
+#: 7; at 1000 (1e-2) 33 and 2. No setting accepted a gradient further than 53x autodiff's own
+#: error (the silent line is 100x), and the magnitude fuzz (600 programs, seeds 0-2) has no
+#: mismatch even at 0.1. The inversions' own bounds stay at ``rtol``: they, not these checks,
+#: refuse the fuzz's extreme magnitudes; these catch a side branch that cancels or is steep at
+#: the rebuilt value (a float16 one 34% off: tests/invertible/test_invertible_magnitudes.py).
+#: At ``rtol`` 1e-3 the tolerance is 1: only a derivative that changes by more than its own
+#: scale is refused.
+DERIVATIVE_SLACK = 1000
 
 #: Primitives whose derivative does not depend on their operands' values (no check needed).
 _LINEAR = {
