@@ -49,23 +49,28 @@ def test_the_canonical_coupling_stack_is_accepted_and_as_exact_as_autodiff():
 DRIFTING = matrix.Stack("affine", 16, 32, "scan", ln=True, dtype="f32")
 
 
-def _drifting(**kw):
-    args = [jnp.asarray(a, jnp.float32) for a in matrix._data(DRIFTING, "lecun")]
-    fn = rn.invertible(matrix._stack_fn(DRIFTING), known_argnums=(2, 3), **kw)
+def _cell(stack, **kw):
+    """``(jit(grad) of rn.invertible over the matrix's stack, weights known; its LeCun data)``."""
+    args = [jnp.asarray(a, jnp.float32) for a in matrix._data(stack, "lecun")]
+    fn = rn.invertible(matrix._stack_fn(stack), known_argnums=(2, 3), **kw)
     return matrix._grad(fn), args
+
+
+def _float64_and_autodiffs_error(stack, args):
+    """``(the float64 gradient, jax.grad's own error against it)`` of the matrix's stack."""
+    want = matrix._reference(replace(stack, dtype="f64"), ("lecun",))["lecun"]
+    return want, rn.relative_error(matrix._grad(matrix._stack_fn(stack))(*args), want)
 
 
 def test_a_stack_whose_rebuild_drifts_is_still_refused():
     """(Catches a measurement that reads no drift, with the next test.)"""
-    want = matrix._reference(replace(DRIFTING, dtype="f64"), ("lecun",))["lecun"]
-    args = _drifting()[1]
-    own = rn.relative_error(matrix._grad(matrix._stack_fn(DRIFTING))(*args), want)
-    loose, _ = _drifting(rtol=0.5)
+    grad, args = _cell(DRIFTING)
+    want, own = _float64_and_autodiffs_error(DRIFTING, args)
+    loose, _ = _cell(DRIFTING, rtol=0.5)
     # How far the unchecked walk lands depends on how XLA rounds on this CPU (90x jax.grad's own
     # error where it was written, 146x in the matrix run): printed, not asserted. What the
     # project promises is the refusal below, and the next test shows the measurement makes it.
     print(f"unchecked walk: {rn.relative_error(loose(*args), want) / own:.0f}x jax.grad's error")
-    grad, args = _drifting()
     with pytest.raises(REFUSED, match="rebuilt"):
         jax.block_until_ready(grad(*args))
 
@@ -78,7 +83,7 @@ def test_with_the_measurement_reading_no_drift_the_drifting_stack_passes_silentl
         return jnp.float32(0), jnp.max(jnp.abs(rebuilt)).astype(jnp.float32)
 
     with mock.patch.object(_sketch, "measure", reads_no_drift):
-        grad, args = _drifting()
+        grad, args = _cell(DRIFTING)
         jax.block_until_ready(grad(*args))  # not refused
 
 
@@ -91,11 +96,9 @@ ILL_CONDITIONED = matrix.Stack("affine", 64, 8, "scan", ln=False, dtype="f32")
 
 
 def test_a_stack_as_ill_conditioned_as_its_autodiff_is_accepted():
-    want = matrix._reference(replace(ILL_CONDITIONED, dtype="f64"), ("lecun",))["lecun"]
-    args = [jnp.asarray(a, jnp.float32) for a in matrix._data(ILL_CONDITIONED, "lecun")]
-    own = rn.relative_error(matrix._grad(matrix._stack_fn(ILL_CONDITIONED))(*args), want)
-    fn = rn.invertible(matrix._stack_fn(ILL_CONDITIONED), known_argnums=(2, 3))
-    got = jax.block_until_ready(matrix._grad(fn)(*args))  # raises if refused
+    grad, args = _cell(ILL_CONDITIONED)
+    want, own = _float64_and_autodiffs_error(ILL_CONDITIONED, args)
+    got = jax.block_until_ready(grad(*args))  # raises if refused
     print(f"jax.grad's error {own:.2e}, the walk's {rn.relative_error(got, want):.2e}")
     assert own > 1e-5  # the premise: float32 autodiff itself is this far from float64
     assert rn.relative_error(got, want) <= 10 * own
