@@ -314,14 +314,15 @@ class ScanRule:
                 + [v if k else None for v, k in zip(x, xs_known, strict=True)]
             )
             inner_errs = None if scan_errs is None else scan_errs.inner(err_c, num_body_consts)
-            rebuilt, inner_cts, inner_code, new_errs = walk(
-                assessment.sub,
-                inner_in,
-                list(carry) + list(y),
-                None if ct_c is None else list(ct_c) + list(ct_y),
-                errs=inner_errs,
-                sketches=measure(sk),
-            )
+            with _errors.untied():  # an iteration's values die with it (see untied)
+                rebuilt, inner_cts, inner_code, new_errs = walk(
+                    assessment.sub,
+                    inner_in,
+                    list(carry) + list(y),
+                    None if ct_c is None else list(ct_c) + list(ct_y),
+                    errs=inner_errs,
+                    sketches=measure(sk),
+                )
             code = combine_codes(code, inner_code)
             rebuilt = rebuilt[num_body_consts:]
             new_carry = rebuilt[num_consts : num_consts + num_carry]

@@ -17,8 +17,10 @@ summarizes the result (:func:`summarize`), so temp memory stays flat in depth.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -55,14 +57,37 @@ def settle(x: Any) -> Any:
     return jnp.sort(jnp.stack([x, jnp.full_like(x, -1)]))[1]
 
 
+_TIED = contextvars.ContextVar("remat_nn_invertible_tied", default=True)
+
+
+@contextlib.contextmanager
+def untied() -> Iterator[None]:
+    """Within: :func:`after` returns ``x`` untied (a loop body's walk: ``ScanRule``).
+
+    The ties keep an unrolled walk's temp memory flat in depth. In a loop body every value dies
+    with its iteration, so nothing they bound can grow with the loop's length there, and each
+    tie makes the operation after it wait for the error's reductions: XLA:CPU then runs the
+    body's few dozen small reductions one after another instead of beside its matmuls. On the
+    depth benchmark's scan (benchmarks/results/depth.md) untying the body took the step from
+    about 1.5x plain autodiff's to about 1.15x, for a flat ~0.9 MiB more temp (the body's
+    per-element error arrays live at once: 2.0 -> 2.9 MiB from depth 8 to 512)."""
+    token = _TIED.set(False)
+    try:
+        yield
+    finally:
+        _TIED.reset(token)
+
+
 def after(x: Any, dep: Any) -> Any:
     """``x``, bit for bit, made to depend on the scalar ``dep`` (``x - 0 * (dep > -1)``; floats
-    of 32 bits or more only).
+    of 32 bits or more only; ``x`` itself within :func:`untied`).
 
     A reduction of a value the walk was given (a weight, an output) could run at any time, and
     XLA runs them all at the start, holding one scalar per step to the end: temp memory would
     grow with depth. Made to depend on the step's error, it runs at its step."""
     x = jnp.asarray(x)
+    if not _TIED.get():
+        return x
     if not varying(dep) <= varying(x):  # under shard_map: it would change x's type
         return x
     if jnp.finfo(x.dtype).bits <= 16:
