@@ -96,9 +96,10 @@ class Outcome:
     status: str  # accepted | recomputed | refused (trace) | refused (run) | exception: ...
     err: float | None = None  # the mechanism's default setting
     unchecked: float | None = None  # reversible: fallback="none"; invertible: LOOSE_RTOL
-    recomputed: float | None = None  # reversible, refused: the error with fallback="recompute"
-    recomputes: int = 0  # that run's recompute count (all layers)
-    layers: int = 0  # distinct layers recomputed
+    recomputed: float | None = None  # refused: the error with fallback="recompute"
+    recompute_status: str = ""  # that run's status (refused again: no error)
+    recomputes: int = 0  # that run's recompute count (all layers or scan iterations)
+    layers: int = 0  # distinct layers (iterations) recomputed
 
 
 @dataclass
@@ -189,6 +190,9 @@ PROGRAMS: dict[str, Callable[[Stack], Callable]] = {
     "plain": _stack_fn,
     "invertible": lambda s: rn.invertible(_stack_fn(s), known_argnums=(2, 3)),
     "loose": lambda s: rn.invertible(_stack_fn(s), known_argnums=(2, 3), rtol=LOOSE_RTOL),
+    "inv_recompute": lambda s: rn.invertible(
+        _stack_fn(s), known_argnums=(2, 3), fallback="recompute"
+    ),
     "error": lambda s: _reversible_fn(s, "error"),
     "recompute": lambda s: _reversible_fn(s, "recompute"),
     "none": lambda s: _reversible_fn(s, "none"),
@@ -197,7 +201,7 @@ PROGRAMS: dict[str, Callable[[Stack], Callable]] = {
 
 class _Programs:
     """A stack's jitted gradients by :data:`PROGRAMS` name, built on first use (the scales
-    share them; ``loose`` and ``recompute`` are built only for a refused cell)."""
+    share them; ``loose`` and the recomputing ones are built only for a refused cell)."""
 
     def __init__(self, s: Stack) -> None:
         self.stack, self.built = s, {}
@@ -245,10 +249,20 @@ def _attempt(grad: Callable, args: list, ref: list) -> tuple[str, float | None]:
     return "accepted", rn.relative_error(got, ref)
 
 
+def _recompute(out: Outcome, grad: Callable, args: list, ref: list) -> None:
+    """Runs a refused cell again with fallback="recompute": its status, error and counts."""
+    rn.drift_recomputes(reset=True)
+    with _quiet("remat_nn"):  # the first recompute's log line
+        out.recompute_status, out.recomputed = _attempt(grad, args, ref)
+    counts = rn.drift_recomputes(reset=True)  # read after block_until_ready (_attempt)
+    out.recomputes, out.layers = sum(counts.values()), len(counts)
+
+
 def _invertible(programs: _Programs, args: list, ref: list) -> Outcome:
     out = Outcome(*_attempt(programs["invertible"], args, ref))
     if out.status.startswith("refused"):
         out.unchecked = _attempt(programs["loose"], args, ref)[1]
+        _recompute(out, programs["inv_recompute"], args, ref)
     return out
 
 
@@ -256,10 +270,7 @@ def _reversible(programs: _Programs, args: list, ref: list) -> Outcome:
     out = Outcome(*_attempt(programs["error"], args, ref))
     out.unchecked = _attempt(programs["none"], args, ref)[1]
     if out.status.startswith("refused"):
-        rn.drift_recomputes(reset=True)
-        out.recomputed = _attempt(programs["recompute"], args, ref)[1]
-        counts = rn.drift_recomputes(reset=True)  # read after block_until_ready (_attempt)
-        out.recomputes, out.layers = sum(counts.values()), len(counts)
+        _recompute(out, programs["recompute"], args, ref)
     return out
 
 
@@ -341,6 +352,8 @@ def summary(cells: list[Cell]) -> tuple[list[str], int, int]:
         for r in rows
         if _flagged(r[0], r[2]) and _gt(_ratio(r[2].recomputed, r[0].jax_err), SILENT)
     ]
+    again = [r for r in rows if r[2].recompute_status.startswith("refused")]
+    ran = [r for r in rows if r[2].recomputes > 0]
     lines = [f"- {m}: {_counts(cells, m)}" for m in MECHANISMS]
     lines += [
         f"- **false refusals** (refused, yet the unchecked gradient's "
@@ -352,8 +365,17 @@ def summary(cells: list[Cell]) -> tuple[list[str], int, int]:
         f"rtol={LOOSE_RTOL}, or at trace time): n/a",
         f"- **silent errors** (accepted, error > {SILENT}x jax.grad's own): **{len(silent)}**"
         + _by_mechanism(silent),
-        f'- refused reversible cells whose gradient with fallback="recompute" is still '
-        f"> {SILENT}x jax.grad's own error: {len(futile)}",
+        f'- refused cells whose gradient with fallback="recompute" is still '
+        f"> {SILENT}x jax.grad's own error: {len(futile)}" + _by_mechanism(futile),
+        f'- refused cells refused again with fallback="recompute": {len(again)}'
+        + _by_mechanism(again)
+        + " (rn.invertible recomputes at run time only inside a `lax.scan`; the Python loop's "
+        "failed checks still raise)",
+        f'- refused cells that recomputed at run time with fallback="recompute": {len(ran)}'
+        + _by_mechanism(ran)
+        + " (a refused rn.invertible cell that recomputed nothing kept inputs at trace time "
+        'instead: fallback="recompute" uses no inversion a value can destroy, such as the '
+        "affine couplings' division)",
     ]
     lines += _worst(rows)
     lines += [f"  - silent: {_row_text(r)}" for r in silent[:20]]
@@ -421,26 +443,29 @@ def _status(o: Outcome) -> str:
     return o.status
 
 
-def _recompute_text(o: Outcome) -> str:
+def _recompute_text(o: Outcome, unit: str) -> str:
+    if o.recompute_status.startswith("refused"):
+        return o.recompute_status
     if o.recomputed is None:
         return "—"
-    return f"{_e(o.recomputed)} ({o.recomputes} in {o.layers} layers)"
+    return f"{_e(o.recomputed)} ({o.recomputes} in {o.layers} {unit})"
 
 
 def table(cells: list[Cell]) -> list[str]:
     head = (
         "| coupling | width | depth | loop | scale | LN | branch | jax.grad err "
-        f"| rn.invertible | err | err rtol={LOOSE_RTOL} | reversible | err | err none "
-        "| err recompute (recomputes) |"
+        f"| rn.invertible | err | err rtol={LOOSE_RTOL} | err recompute (recomputes) "
+        "| reversible | err | err none | err recompute (recomputes) |"
     )
-    lines = [head, "|---|--:|--:|---|---|---|---|--:|---|--:|--:|---|--:|--:|--:|"]
+    lines = [head, "|---|--:|--:|---|---|---|---|--:|---|--:|--:|--:|---|--:|--:|--:|"]
     for c in cells:
         s, inv, rev = c.stack, c.outcomes["invertible"], c.outcomes["reversible"]
         lines.append(
             f"| {s.coupling} | {s.width} | {s.depth} | {s.loop} | {c.scale} | "
             f"{'LN' if s.ln else '—'} | {s.dtype} | {_e(c.jax_err)} | {_status(inv)} | "
-            f"{_e(inv.err)} | {_e(inv.unchecked)} | {_status(rev)} | {_e(rev.err)} | "
-            f"{_e(rev.unchecked)} | {_recompute_text(rev)} |"
+            f"{_e(inv.err)} | {_e(inv.unchecked)} | {_recompute_text(inv, 'iterations')} | "
+            f"{_status(rev)} | {_e(rev.err)} | {_e(rev.unchecked)} | "
+            f"{_recompute_text(rev, 'layers')} |"
         )
     return lines
 
@@ -468,7 +493,9 @@ def section(quick: bool) -> tuple[str, int, int]:
         "A cell's errors are `rn.relative_error` against the float64 gradient of the same math; "
         "jax.grad's err is plain `jax.grad` of the cell's own function (bf16 branches included). "
         "rn.invertible runs with its defaults (`known_argnums` the weights); a refused cell is "
-        f"run again at `rtol={LOOSE_RTOL}` for the error it would give. The reversible stack "
+        f"run again at `rtol={LOOSE_RTOL}` for the error it would give, and with "
+        'fallback="recompute" (scan iterations recomputed at run time, counted by '
+        "`rn.drift_recomputes()`). The reversible stack "
         'runs with its default fallback="error" and again with fallback="none" (reconstruction '
         'alone); a refused cell runs a third time with fallback="recompute" (its error, and '
         "`rn.drift_recomputes()`: recomputes over every layer and call, in how many layers). "

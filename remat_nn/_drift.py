@@ -109,18 +109,25 @@ def drift_recomputes(*, reset: bool = False) -> dict[str, int]:
     return counts
 
 
-def recomputed(label: str) -> None:
+_DRIFTED = (
+    "its input, rebuilt by the backward pass, drifted past drift_rtol",
+    "anchor_every=k, normalized branches or a wider recon_dtype make the drift smaller",
+)
+
+
+def recomputed(label: str, why: tuple[str, str] = _DRIFTED) -> None:
     """Counts a fallback recompute of ``label`` and logs it once per process (a host callback's
-    target: a callback must not raise, and Python's warnings may be set to raise)."""
+    target: a callback must not raise, and Python's warnings may be set to raise); ``why``:
+    (what failed, what makes it rarer), for the log."""
     RECOMPUTED[label] += 1
     if not _LOGGED:
         _LOGGED.append(label)
         logger.warning(
-            "remat_nn: %s: its input, rebuilt by the backward pass, drifted past drift_rtol "
-            "and was recomputed from the nearest kept value: the gradient is right, the step "
-            "slower. rn.drift_recomputes() counts every recompute (this is logged once); "
-            "anchor_every=k, normalized branches or a wider recon_dtype make the drift smaller.",
+            "remat_nn: %s: %s and was recomputed from the nearest kept value: the gradient is "
+            "right, the step slower. rn.drift_recomputes() counts every recompute (this is "
+            "logged once); %s.",
             label,
+            *why,
         )
 
 

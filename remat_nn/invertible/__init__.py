@@ -8,7 +8,8 @@ The table of contents; the algorithm is explained in README.md beside this file.
   exp, log, ...) and ``_structural_rules`` (identities, layout, exact dtype changes).
 - ``_equation_rules``: the ``EquationRule`` protocol: primitives, calls, scans, custom_ivjp,
   slices that tile their operand; ``_scan_carry``: what a scan's reverse walk carries besides
-  the values (first cotangents, errors); ``_scan_sketch``: a scan's per-iteration sketches.
+  the values (first cotangents, errors); ``_scan_sketch``: a scan's per-iteration sketches;
+  ``_scan_recompute``: ``fallback="recompute"`` recomputing a failed iteration at run time.
 - ``_tiling``: finding the sets of slices that tile their operand, and putting them back.
 - ``_analysis``: the monotone closure deciding what the walk knows and which inputs it keeps.
 - ``_walk``: the backward walk itself (derivations, schedule and execution, run-time checks).

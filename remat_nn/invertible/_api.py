@@ -19,11 +19,13 @@ from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible import _scan_sketch, _sketch
 from remat_nn.invertible._analysis import Analysis, analyze
 from remat_nn.invertible._equation_rules import verify_custom_rules
-from remat_nn.invertible._jaxpr import dce, eval_jaxpr, is_float
+from remat_nn.invertible._jaxpr import dce, eval_eqn, eval_jaxpr, is_float
 from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._scan_sketch import sketched
 from remat_nn.invertible._walk import (
     WalkSchedule,
+    anchor_key,
+    anchored_scans,
     execute,
     scan_key,
     sketched_scans,
@@ -147,18 +149,23 @@ def _trace(
                 why=analysis.blocked,
             )
         )
-    run = _as_custom_vjp(analysis)
+    run = _as_custom_vjp(analysis, recompute=not strict)
     return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
 
 
-def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, Any]:
+def _run_and_sketch(
+    schedule: WalkSchedule, ins: Sequence[Any], anchored: bool = False
+) -> tuple[list, Any]:
     """The outputs, and the sketches of the values ``schedule`` derives from rebuilt ones
     (``_scan_sketch.sketched``; value ``k`` at row ``k``) packed in two arrays, whatever
-    the depth: ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if none); and
-    the per-iteration sketches inside the scans it undoes (``_scan_sketch``), by equation."""
+    the depth: ``(m,)`` float32 scales and ``(m, K)`` int32 projections (None if none); the
+    per-iteration sketches inside the scans it undoes (``_scan_sketch``), by equation; and if
+    ``anchored``, the first carry of each scan ``fallback="recompute"`` recomputes in
+    (``_scan_recompute``), by equation."""
     analysis = schedule.analysis
     jaxpr, values = analysis.jaxpr, sketched(schedule)
     in_scans: dict[int, Any] = {}
+    anchors: dict[int, list] = {}
 
     def sketching(i: int, body: Any, body_values: list) -> Callable[[list], list]:
         def run(ins: list) -> list:
@@ -166,6 +173,16 @@ def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, A
             return outs
 
         return run
+
+    def anchoring(i: int, run: Callable[[list], list] | None) -> Callable[[list], list]:
+        eqn = jaxpr.eqns[i]
+        num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+
+        def anchored_run(ins: list) -> list:
+            anchors[i] = list(ins[num_consts : num_consts + num_carry])
+            return run(ins) if run is not None else eval_eqn(eqn, ins)
+
+        return anchored_run
 
     packed = {
         "tops": jnp.zeros((len(values),), jnp.float32),
@@ -183,26 +200,32 @@ def _run_and_sketch(schedule: WalkSchedule, ins: Sequence[Any]) -> tuple[list, A
         return x
 
     runs = {i: sketching(i, body, vs) for i, body, vs in sketched_scans(schedule)}
+    if anchored:
+        runs.update((i, anchoring(i, runs.get(i))) for i in anchored_scans(schedule))
     outs, _ = eval_jaxpr(jaxpr, ins, values, runs, tap=sketch)
     if not values:
-        return outs, (None, in_scans)
-    return outs, ((packed["tops"], packed["projections"]), in_scans)
+        return outs, (None, in_scans, anchors)
+    return outs, ((packed["tops"], packed["projections"]), in_scans, anchors)
 
 
 def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
-    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> sketch, and
-    ``scan_key(i)`` -> a scan's per-iteration sketches (``_scan_sketch.ScanSketches``)."""
-    values, in_scans = packed
+    """The sketches of :func:`_run_and_sketch` as the walk reads them: value -> sketch,
+    ``scan_key(i)`` -> a scan's per-iteration sketches (``_scan_sketch.ScanSketches``) and
+    ``anchor_key(i)`` -> a scan's first carry."""
+    values, in_scans, anchors = packed
     out: dict[Any, Any] = {}
     if values is not None:
         tops, projections = values
         out = {v: (tops[k], projections[k]) for k, v in enumerate(sketched(schedule))}
     for i, _, _ in sketched_scans(schedule):
         out[scan_key(i)] = in_scans[i]
+    out.update((anchor_key(i), anchor) for i, anchor in anchors.items())
     return out
 
 
-def _as_custom_vjp(analysis: Analysis) -> Callable:
+def _as_custom_vjp(analysis: Analysis, recompute: bool = False) -> Callable:
+    """``recompute``: ``fallback="recompute"``, which also keeps each checked scan's first
+    carry and recomputes an iteration that fails a check from it (``_scan_recompute``)."""
     jaxpr = analysis.jaxpr
     float_in = [is_float(v.aval) for v in jaxpr.invars]
 
@@ -211,10 +234,11 @@ def _as_custom_vjp(analysis: Analysis) -> Callable:
         return eval_jaxpr(jaxpr, ins)[0]
 
     def fwd(*ins):
-        outs, sketches = _run_and_sketch(analysis.schedule(True, False), ins)
+        outs, sketches = _run_and_sketch(analysis.schedule(True, False), ins, recompute)
         # Residuals: the outputs (the same buffers as the primal result), the inputs the walk
         # keeps (weights, constants, or inputs no output determines) and a few scalars per
-        # value the walk derives from a rebuilt one (_sketch); never an intermediate.
+        # value the walk derives from a rebuilt one (_sketch); never an intermediate (with
+        # fallback="recompute", a checked scan's first carry: one carry per scan).
         # (Under shard_map, also the input types, for 0 bytes: see remat_nn._named_axes.)
         kept = [ins[p] for p in analysis.kept]
         return outs, (outs, kept, sketches, _named_axes.type_witness(list(ins)))
@@ -481,7 +505,10 @@ def invertible(
         ``"recompute"`` never uses them, keeping the input instead and recomputing. Also
         strictness: with ``"error"`` an argument that is not a weight and that the outputs do
         not determine raises :class:`NotInvertibleError` naming the equation that hides it;
-        with ``"recompute"`` it is kept.
+        with ``"recompute"`` it is kept. And at run time: with ``"recompute"`` an iteration of a
+        top-level ``lax.scan`` whose rebuilt values fail a check is recomputed from the scan's
+        first carry, kept by the forward (``rn.drift_recomputes()`` counts it); a failed check
+        elsewhere raises with either.
       static_argnums: positions of arguments that are Python values (``train=True``), not
         traced; they must be hashable. As in ``jax.jit``.
       static_argnames: names of such arguments.

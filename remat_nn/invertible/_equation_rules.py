@@ -31,9 +31,15 @@ from remat_nn._jax_internals import (
     scan_p,
     sub_jaxprs,
 )
-from remat_nn.invertible import _errors, _primitive_rules, _scan_sketch, _tiling
+from remat_nn.invertible import (
+    _errors,
+    _primitive_rules,
+    _scan_recompute,
+    _scan_sketch,
+    _tiling,
+)
 from remat_nn.invertible._jaxpr import aval_str, is_var, open_jaxpr, zeros_ct
-from remat_nn.invertible._scan_carry import _ct_or_zeros, _initial_cts, _ScanErrors
+from remat_nn.invertible._scan_carry import _initial_cts, _ScanErrors, _split_cts
 
 
 class Nesting(Protocol):
@@ -282,16 +288,17 @@ class ScanRule:
             return Assessment(f"its body cannot be inverted: {sub}")
         return Assessment(sub=sub, lossy=sub.lossy, rtol=analysis.rtol)
 
-    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None, sketches=None):
-        """``sketches``: the forward pass's, per iteration (``_scan_sketch``)."""
+    def run(self, eqn, assessment, ins, outs, couts, walk, errs=None, sketches=None, anchor=None):
+        """``sketches``: the forward pass's, per iteration (``_scan_sketch``); ``anchor``: the
+        scan's first carry, kept by ``fallback="recompute"`` (``_scan_recompute``)."""
         params = eqn.params
         num_consts, num_carry = params["num_consts"], params["num_carry"]
         _, body_consts = open_jaxpr(params["jaxpr"])
         num_body_consts = len(body_consts)
         consts, xs = list(ins[:num_consts]), list(ins[num_consts + num_carry :])
-        carry_avals = [a.aval for a in eqn.invars[num_consts : num_consts + num_carry]]
-        xs_avals = [a.aval for a in eqn.invars[num_consts + num_carry :]]
-        const_avals = [a.aval for a in eqn.invars[:num_consts]]
+        avals = [a.aval for a in eqn.invars]
+        const_avals, carry_avals = avals[:num_consts], avals[num_consts : num_consts + num_carry]
+        xs_avals = avals[num_consts + num_carry :]
         ys, xs_known = list(outs[num_carry:]), [x is not None for x in xs]
         want_cts, checked = couts is not None, assessment.sub.checked
 
@@ -303,16 +310,15 @@ class ScanRule:
         sketches, measure = _scan_sketch.per_iteration(
             None if scan_errs is None else sketches, assessment.sub, want_cts
         )
+        recompute = None
+        if anchor is not None and checked and want_cts and all(xs_known):
+            recompute = _scan_recompute.iteration(eqn, consts, xs)
 
         def body(state, per_iter):
             carry, ct_c, ct_k, code, err_c = state
-            y, ct_y, x, sk = per_iter
-            inner_in = (
-                body_consts
-                + consts
-                + [None] * num_carry
-                + [v if k else None for v, k in zip(x, xs_known, strict=True)]
-            )
+            y, ct_y, x, sk, k = per_iter
+            given_x = [v if known else None for v, known in zip(x, xs_known, strict=True)]
+            inner_in = body_consts + consts + [None] * num_carry + given_x
             inner_errs = None if scan_errs is None else scan_errs.inner(err_c, num_body_consts)
             with _errors.untied():  # an iteration's values die with it (see untied)
                 rebuilt, inner_cts, inner_code, new_errs = walk(
@@ -323,34 +329,36 @@ class ScanRule:
                     errs=inner_errs,
                     sketches=measure(sk),
                 )
-            code = combine_codes(code, inner_code)
+            if recompute is None:
+                code = combine_codes(code, inner_code)
             rebuilt = rebuilt[num_body_consts:]
             new_carry = rebuilt[num_consts : num_consts + num_carry]
             x_rec = [
-                r if not k else None
-                for r, k in zip(rebuilt[num_consts + num_carry :], xs_known, strict=True)
+                r if not known else None
+                for r, known in zip(rebuilt[num_consts + num_carry :], xs_known, strict=True)
             ]
             new_err_c, x_err = None, None
             if scan_errs is not None:
                 new_err_c, x_err = scan_errs.split(new_errs[num_body_consts:], xs_avals)
             if inner_cts is None:  # no cotangents wanted (ct_c is None)
                 return (new_carry, None, None, code, new_err_c), (x_rec, None, x_err)
-            inner_cts = inner_cts[num_body_consts:]
-            carry_cts = inner_cts[num_consts : num_consts + num_carry]
-            new_ct_c = [_ct_or_zeros(c, a) for c, a in zip(carry_cts, carry_avals, strict=True)]
+            const_cts, new_ct_c, ct_x = _split_cts(
+                inner_cts[num_body_consts:], (const_avals, carry_avals, xs_avals)
+            )
+            if recompute is not None and inner_code is not None:  # recomputed where it failed
+                walked = (new_carry, new_ct_c, const_cts, ct_x)
+                (new_carry, new_ct_c, const_cts, ct_x), new_err_c = _scan_recompute.where_failed(
+                    inner_code, recompute, (anchor, k, ct_c, ct_y), walked, new_err_c
+                )
             new_ct_k = [
-                None if k is None else (k if c is None else k + c)
-                for k, c in zip(ct_k, inner_cts[:num_consts], strict=True)
-            ]
-            ct_x = [
-                _ct_or_zeros(c, a)
-                for c, a in zip(inner_cts[num_consts + num_carry :], xs_avals, strict=True)
+                None if acc is None else (acc if c is None else acc + c)
+                for acc, c in zip(ct_k, const_cts, strict=True)
             ]
             return (new_carry, new_ct_c, new_ct_k, code, new_err_c), (x_rec, ct_x, x_err)
 
         init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0)
-        known_xs = [x if k else None for x, k in zip(xs, xs_known, strict=True)]
-        per_iter = (ys, ct_ys, known_xs, sketches)
+        known_xs = [x if known else None for x, known in zip(xs, xs_known, strict=True)]
+        per_iter = (ys, ct_ys, known_xs, sketches, jnp.arange(params["length"]))
         (carry0, ct_c0, ct_k, code, err_c), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )

@@ -296,7 +296,8 @@ def _is_16_bit(dtype: Any) -> bool:
 #: (2.5e-4), 52 refusals were false (the unchecked gradient within 10x of plain autodiff's own
 #: error against float64), 21 of them where that error is below 1e-2; at 250 (2.5e-3) 38 and
 #: 7; at 1000 (1e-2) 33 and 2 (the matrix re-run at 1000, which gets an unchecked error for
-#: more refused cells, counts 44 and 2). No setting accepted a gradient further than 53x
+#: more refused cells, counts 44 and 2; with the scan body's walk untied, 44 and 4: values at
+#: the threshold round differently). No setting accepted a gradient further than 53x
 #: autodiff's own error (the silent line is 100x), and the magnitude fuzz (600 programs, seeds
 #: 0-2) has no mismatch even at 0.1. The inversions' own bounds stay at ``rtol``: they, not
 #: these checks, refuse the fuzz's extreme magnitudes; these catch a side branch that cancels

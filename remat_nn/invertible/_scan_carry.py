@@ -31,6 +31,17 @@ def _ct_or_zeros(c, aval):
     return c if c is not None else jnp.zeros(aval.shape, aval.dtype)
 
 
+def _split_cts(cts, groups):
+    """A body walk's input cotangents (after the body's own constants) split by ``groups`` of
+    avals (consts, carry, xs), zeros where None for floats (None for the others)."""
+    out, start = [], 0
+    for avals in groups:
+        part = cts[start : start + len(avals)]
+        out.append([_ct_or_zeros(c, a) for c, a in zip(part, avals, strict=True)])
+        start += len(avals)
+    return out
+
+
 def _as_err(e, aval):
     """A float carry's error as a scan can carry it (zeros where exact)."""
     if not is_float(aval):

@@ -234,6 +234,24 @@ def scan_key(eqn: int) -> tuple[str, int]:
     return ("scan", eqn)
 
 
+def anchor_key(eqn: int) -> tuple[str, int]:
+    """The key of a scan's first carry (``_scan_recompute``) among a walk's sketches."""
+    return ("anchor", eqn)
+
+
+def anchored_scans(schedule: WalkSchedule) -> list[int]:
+    """The scans whose first carry ``fallback="recompute"`` keeps (``_scan_recompute``): those
+    the walk undoes with cotangents whose body's walk runs checks."""
+    out = []
+    for step in schedule.steps:
+        rule, d = schedule.analysis.rules[step.eqn], step.derivation
+        sub = None if d is None or d.assessment is None else d.assessment.sub
+        if step.action == "fused" and isinstance(rule, ScanRule) and sub is not None:
+            if sub.checked:
+                out.append(step.eqn)
+    return out
+
+
 def sketched_scans(schedule: WalkSchedule) -> list[tuple[int, Any, list]]:
     """The scans the forward pass sketches at every iteration for this walk
     (``_scan_sketch``), those the walk undoes whose body's inversions are checked, each with
@@ -338,8 +356,11 @@ class _State:
         outs = [env[v] for v in reads]
         couts = [self.ct.pop(v, None) for v in eqn.outvars] if fused else None
         errs = self.known_errs(eqn, d.unknown, reads)
-        scan_sketches = self.sketches.get(scan_key(step.eqn))
-        extra = {} if scan_sketches is None else {"sketches": scan_sketches}
+        extra = {
+            name: self.sketches[key]
+            for name, key in (("sketches", scan_key(step.eqn)), ("anchor", anchor_key(step.eqn)))
+            if key in self.sketches
+        }
         rebuilt, in_cts, result, new_errs = rule.run(
             eqn, d.assessment, ins, outs, couts, execute, errs, **extra
         )

@@ -230,8 +230,7 @@ def _ties(jaxpr, in_scan=False, found=None):
 
     found = {False: 0, True: 0} if found is None else found
     for eqn in jaxpr.eqns:
-        last = eqn.invars[-1]
-        if eqn.primitive.name == "gt" and getattr(last, "val", None) == -1:
+        if eqn.primitive.name == "gt" and getattr(eqn.invars[-1], "val", None) == -1:
             found[in_scan] += 1
         for sub in sub_jaxprs(eqn):
             _ties(sub, in_scan or eqn.primitive.name == "scan", found)

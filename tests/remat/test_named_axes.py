@@ -19,12 +19,14 @@ whole matrix cheap (one compile per cell: the path and its twin in one jit).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import flax.linen as fnn
 import jax
@@ -39,6 +41,7 @@ import remat_nn as rn
 from models import revnet as rv
 from remat_nn import _named_axes, nn
 from remat_nn import nnx as rnnx
+from remat_nn.invertible import _errors as _inv_errors
 from tests.gradients import random_variables, rel_err
 
 TOL = 1e-5
@@ -59,6 +62,8 @@ class Case:
     # Models: each leaf's scale floored at 1% of the largest (rn.relative_error's floor): a leaf
     # whose exact gradient is 0 (a bias under BatchNorm, the attention key bias) holds round-off.
     floor: float = 0.0
+    # (object, attribute, value) set while the cell is traced (mock.patch.object).
+    patches: tuple[tuple[Any, str, Any], ...] = ()
 
 
 def _normal(key: int, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
@@ -238,6 +243,31 @@ def _invertible() -> Case:
     )
 
 
+def _invertible_scan_recomputed() -> Case:
+    """rn.invertible over a scan of couplings with fallback="recompute", every derivative check
+    failing: each iteration recomputed from the scan's first carry (_scan_recompute)."""
+
+    def run(scan: Callable[..., Any]) -> Callable[..., Any]:
+        def f(p: Any, x: jax.Array) -> jax.Array:
+            y1, y2 = scan(p, (x, 0.5 * x))
+            return jnp.sum(y1**2) + jnp.sum(jnp.sin(y2))
+
+        return _no_stats(f)
+
+    def stack(p: Any, x: Any) -> Any:
+        return rn.plain_scan(_BLOCK, p, x)[0]
+
+    params = {"f": _normal(0, (4, D, D), 0.4), "g": _normal(1, (4, D, D), 0.4)}
+    checked = _inv_errors.derivative_ok  # fails wherever it checks something
+
+    def fails(*a: Any, **k: Any) -> Any:
+        return None if checked(*a, **k) is None else jnp.bool_(False)
+
+    failing = (_inv_errors, "derivative_ok", fails)
+    inv = rn.invertible(stack, known_argnums=0, fallback="recompute")
+    return Case(run(inv), run(stack), params, _normal(2, (B, D)), patches=(failing,))
+
+
 def _custom_ivjp() -> Case:
     g = rn.custom_ivjp(_coupling, known_argnums=(0,))
 
@@ -309,6 +339,7 @@ PATHS: dict[str, Callable[[], Case]] = {
     "nnx_reversible_bn": _nnx_reversible,
     "nnx_tied_remat": _nnx_tied_remat,
     "invertible": _invertible,
+    "invertible_scan_recomputed": _invertible_scan_recomputed,
     "custom_ivjp": _custom_ivjp,
     "revnet": _revnet,
     "nnx_revnet": _nnx_revnet,
@@ -439,6 +470,7 @@ SECOND_ORDER = {
     "reversible_recomputed",
     "reversible_recomputed_unrolled",
     "invertible",
+    "invertible_scan_recomputed",
     "custom_ivjp",
 }
 
@@ -467,6 +499,7 @@ SUITE = {
     "reversible_anchored": {"jit", "shard_map", "shard_map_2d", "vmap_sum"},
     "reversible_recomputed": {"jit", "vmap", "shard_map", "grad_of_grad"},
     "reversible_recomputed_unrolled": {"jit", "vmap_sum", "shard_map_2d", "grad_of_grad"},
+    "invertible_scan_recomputed": {"jit", "vmap", "shard_map", "grad_of_grad"},
 }
 
 
@@ -499,7 +532,10 @@ def test_gradient_equals_plain_autodiff(path: str, context: str) -> None:
     if not FULL_MATRIX and context not in SUITE.get(path, CONTEXTS):
         pytest.skip(f"{path} in {context}: run with REMAT_NN_FULL_MATRIX=1 (suite time)")
     c = _case(path)
-    ((got, got_dx), got_stats), ((want, want_dx), want_stats) = _run(path, context)
+    with contextlib.ExitStack() as patched:
+        for target, name, value in c.patches:
+            patched.enter_context(mock.patch.object(target, name, value))
+        ((got, got_dx), got_stats), ((want, want_dx), want_stats) = _run(path, context)
     assert rel_err(got, want, floor=c.floor) < TOL, (path, context)
     if want_dx is not None:
         assert rel_err(got_dx, want_dx, floor=c.floor) < TOL, (path, context)

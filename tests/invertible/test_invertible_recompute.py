@@ -1,0 +1,103 @@
+"""``rn.invertible(f, fallback="recompute")`` at run time inside a scan (issue #44, item 2):
+an iteration whose rebuilt values fail a check is recomputed from the scan's first carry
+(remat_nn/invertible/_scan_recompute.py) instead of raising; with the default fallback the
+same stack is refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat_nn as rn
+from benchmarks import invertible_matrix as matrix
+from remat_nn.invertible import _errors
+
+REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
+
+#: The canonical-stacks matrix's cell that rn.invertible refused at run time though its
+#: unchecked gradient was 2.4x jax.grad's own error: additive couplings, width 64, depth 32,
+#: weights twice He's (a chaotic stack: jax.grad's own error against float64 is about 2e-3).
+CHAOTIC = matrix.Stack("additive", 64, 32, "scan", ln=False, dtype="f32")
+
+
+def _cell(stack, scale, depth=None, **kw):
+    stack = stack if depth is None else replace(stack, depth=depth)
+    args = [jnp.asarray(a, jnp.float32) for a in matrix._data(stack, scale)]
+    fn = rn.invertible(matrix._stack_fn(stack), known_argnums=(2, 3), **kw)
+    return matrix._grad(fn), args
+
+
+def test_a_refused_iteration_is_recomputed_and_the_gradient_is_as_exact_as_autodiff():
+    """(Catches a recompute that is never taken, or that replays to the wrong iteration: its
+    gradient would be the drifted one, or another iteration's.)"""
+    grad, args = _cell(CHAOTIC, "2he")
+    with pytest.raises(REFUSED, match="rebuilt"):
+        jax.block_until_ready(grad(*args))
+    want = matrix._reference(replace(CHAOTIC, dtype="f64"), ("2he",))["2he"]
+    own = rn.relative_error(matrix._grad(matrix._stack_fn(CHAOTIC))(*args), want)
+    rn.drift_recomputes(reset=True)
+    grad, args = _cell(CHAOTIC, "2he", fallback="recompute")
+    got = jax.block_until_ready(grad(*args))
+    counts = rn.drift_recomputes(reset=True)
+    error = rn.relative_error(got, want)
+    print(f"jax.grad's error {own:.2e}, recomputed walk's {error:.2e}; recomputes {counts}")
+    assert counts and all(k.startswith("rn.invertible scan iteration") for k in counts)
+    assert error <= 10 * own
+
+
+_derivative_ok = _errors.derivative_ok
+
+
+def _every_derivative_moved(*args, **kwargs):
+    """Every derivative check that checks something fails."""
+    return None if _derivative_ok(*args, **kwargs) is None else jnp.bool_(False)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_iteration_recomputed_gives_plain_autodiffs_gradient(reverse):
+    """Every derivative check fails, so every iteration is recomputed from the anchor: the
+    gradient is then plain autodiff's per iteration, at the carries the forward computed.
+    (Catches a replay to the wrong iteration, reversed scans' index order, or cotangents of
+    the wrong iteration's weights.)"""
+    depth = 6
+    stack = replace(CHAOTIC, width=16, depth=depth)
+    args = [jnp.asarray(a, jnp.float32) for a in matrix._data(stack, "lecun")]
+    branch, combine = matrix._branch(stack), matrix.COMBINE[stack.coupling][0]
+
+    def block(h, w):
+        x1 = combine(h[0], branch(w[0], h[1]))
+        return (x1, combine(h[1], branch(w[1], x1))), None
+
+    def f(x1, x2, wf, wg):
+        return jax.lax.scan(block, (x1, x2), (wf, wg), reverse=reverse)[0]
+
+    plain = matrix._grad(f)(*args)
+    rn.drift_recomputes(reset=True)
+    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+        got = jax.block_until_ready(
+            matrix._grad(rn.invertible(f, known_argnums=(2, 3), fallback="recompute"))(*args)
+        )
+    counts = rn.drift_recomputes(reset=True)
+    print(f"recomputes {counts}; error against plain autodiff {rn.relative_error(got, plain):.1e}")
+    assert sum(counts.values()) == depth
+    assert rn.relative_error(got, plain) <= 1e-5
+
+
+def test_the_recompute_keeps_one_carry_whatever_the_depth():
+    """The forward keeps the scan's first carry and the recompute branch one iteration's
+    buffers: the compiled temp above the default fallback's is the same at depth 8 and 32.
+    (Catches a fallback that stores per-iteration carries, or plain autodiff's VJP of the
+    whole scan in the branch: more temp per added iteration.)"""
+
+    def temp(fallback, depth):
+        grad, args = _cell(CHAOTIC, "lecun", depth=depth, fallback=fallback)
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    extra = {d: temp("recompute", d) - temp("error", d) for d in (8, 32)}
+    carry = 2 * matrix.BATCH * (CHAOTIC.width // 2) * 4  # (x1, x2), float32
+    print(f"temp above fallback='error' by depth: {extra}; one carry {carry} B")
+    assert abs(extra[32] - extra[8]) <= 1024
