@@ -241,14 +241,18 @@ def anchor_key(eqn: int) -> tuple[str, int]:
 
 def anchored_scans(schedule: WalkSchedule) -> list[int]:
     """The scans whose first carry ``fallback="recompute"`` keeps (``_scan_recompute``): those
-    the walk undoes with cotangents whose body's walk runs checks."""
+    the walk undoes with cotangents whose body's walk runs checks and whose ``xs`` it knows
+    (a rebuilt ``xs`` has nothing to replay from)."""
     out = []
     for step in schedule.steps:
         rule, d = schedule.analysis.rules[step.eqn], step.derivation
         sub = None if d is None or d.assessment is None else d.assessment.sub
-        if step.action == "fused" and isinstance(rule, ScanRule) and sub is not None:
-            if sub.checked:
-                out.append(step.eqn)
+        if step.action != "fused" or not isinstance(rule, ScanRule) or d is None or sub is None:
+            continue
+        params = schedule.analysis.eqns[step.eqn].params
+        first_x = params["num_consts"] + params["num_carry"]
+        if sub.checked and all(p < first_x for p in d.unknown):
+            out.append(step.eqn)
     return out
 
 

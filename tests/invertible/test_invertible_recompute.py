@@ -101,3 +101,31 @@ def test_the_recompute_keeps_one_carry_whatever_the_depth():
     carry = 2 * matrix.BATCH * (CHAOTIC.width // 2) * 4  # (x1, x2), float32
     print(f"temp above fallback='error' by depth: {extra}; one carry {carry} B")
     assert abs(extra[32] - extra[8]) <= 1024
+
+
+def test_only_a_scan_whose_xs_the_walk_knows_keeps_an_anchor():
+    """A scan over rebuilt ``xs`` has nothing to replay from: its first carry is not kept.
+    (Catches an anchor stored where the recompute can never use it: memory for nothing.)"""
+    from remat_nn.invertible._walk import anchored_scans
+
+    def coupling(h, w):
+        a = h[0] + jnp.tanh(h[1] @ w)
+        return a, h[1] + jnp.tanh(a @ w)
+
+    def over_weights(h1, h2, ws):
+        return jax.lax.scan(lambda h, w: (coupling(h, w), None), (h1, h2), ws)[0]
+
+    def over_data(h1, h2, xs):  # xs rebuilt from the ys
+        w = 0.3 * jnp.eye(4)
+        return jax.lax.scan(lambda h, x: (coupling(h, w), x + h[0]), (h1, h2), xs)
+
+    h, ws = jnp.ones((2, 4)), 0.3 * jnp.ones((3, 4, 4))
+    anchored = {}
+    for name, f, known in (("weights", over_weights, (2,)), ("data", over_data, ())):
+        inv = rn.invertible(f, known_argnums=known, fallback="recompute")
+        args = (h, 2 * h, ws) if name == "weights" else (h, 2 * h, jnp.ones((3, 2, 4)))
+        report = rn.inversion_report(inv, *args)
+        assert report.invertible, str(report)  # the scan is undone, nothing stored
+        anchored[name] = anchored_scans(inv.trace(*args).analysis.schedule(True, False))
+    print(f"anchored scans: {anchored}")
+    assert anchored["weights"] and not anchored["data"]
