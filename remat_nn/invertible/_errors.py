@@ -68,9 +68,9 @@ def untied() -> Iterator[None]:
     with its iteration, so nothing they bound can grow with the loop's length there, and each
     tie makes the operation after it wait for the error's reductions: XLA:CPU then runs the
     body's few dozen small reductions one after another instead of beside its matmuls. On the
-    depth benchmark's scan (benchmarks/results/depth.md) untying the body took the step from
-    about 1.5x plain autodiff's to about 1.15x, for a flat ~0.9 MiB more temp (the body's
-    per-element error arrays live at once: 2.0 -> 2.9 MiB from depth 8 to 512)."""
+    depth benchmark's scan (benchmarks/results/depth.md) untying the body took the step at
+    depth 512 from 1.50x plain autodiff's to 1.09x, for a flat ~0.9 MiB more temp (the body's
+    per-element error arrays live at once: 2.91 MiB at depth 8, 3.00 MiB at 512)."""
     token = _TIED.set(False)
     try:
         yield
