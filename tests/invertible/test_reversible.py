@@ -311,6 +311,29 @@ def test_memory_flat_in_depth_while_plain_grows_linearly(unroll):
     assert temp[True, deep] < temp[False, shallow]
 
 
+def _iotas(jaxpr) -> int:
+    from remat_nn._jax_internals import sub_jaxprs
+
+    return sum(
+        (eqn.primitive.name == "iota") + sum(_iotas(sub) for sub in sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def test_the_drift_checks_sign_matrices_are_constants_not_computed_and_held():
+    """The sketches' sign matrices are numpy constants: hashed in the program (an ``iota`` and
+    integer arithmetic per matrix), XLA computed each once and held it from the forward pass to
+    the end of the backward (RevNet-38's peak held four of them, 128 KiB: a third of what the
+    check added). (Catches the signs hashed in the program again.)"""
+    params, x = mlp_case(4)
+    counts = {}
+    for fallback in ("none", "error"):
+        grad = jax.grad(loss_fn(stack(4, fallback=fallback)), argnums=(0, 1))
+        counts[fallback] = _iotas(jax.make_jaxpr(grad)(params, x).jaxpr)
+    print(f"iota equations by fallback: {counts}")
+    assert counts["error"] == counts["none"]
+
+
 def _conv_block() -> rn.ReversibleBlock:
     def fn(p, c, x):
         h = jax.lax.conv_general_dilated(
