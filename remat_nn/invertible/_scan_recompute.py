@@ -90,10 +90,10 @@ def where_failed(
     the carry's ``errs`` where the iteration's check ``code`` is 0; else ``recompute(*args)``
     (of the same types) and the errors of an exact carry. The recompute runs only then."""
     bad = code != 0
-    return _drift.when(bad, recompute, args, walked), exact_where(bad, errs)
+    return _drift.when(bad, recompute, args, walked), _exact_where(bad, errs)
 
 
-def exact_where(bad: Any, errs: Sequence[Any] | None) -> Any:
+def _exact_where(bad: Any, errs: Sequence[Any] | None) -> Any:
     """The carry's errors (``_errors``) with their absolute and relative parts zero where
     ``bad`` (the carry was recomputed: exact), the floor kept."""
     if errs is None:
