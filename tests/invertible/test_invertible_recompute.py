@@ -129,3 +129,37 @@ def test_only_a_scan_whose_xs_the_walk_knows_keeps_an_anchor():
         anchored[name] = anchored_scans(inv.trace(*args).analysis.schedule(True, False))
     print(f"anchored scans: {anchored}")
     assert anchored["weights"] and not anchored["data"]
+
+
+def test_a_recomputed_iteration_with_an_integer_carry_and_per_iteration_outputs():
+    """An integer counter in the carry (no cotangent: float0 for jax.vjp, None for the walk)
+    and per-iteration outputs (their cotangents reach the recompute): every iteration forced
+    to recompute gives plain autodiff's gradient. (Catches cotangents of the ys dropped, or
+    an integer carry given a float cotangent.)"""
+
+    def f(x1, x2, ws):
+        def body(c, w):
+            a, b, n = c
+            a = a + jnp.tanh(b @ w) * (n + 1).astype(a.dtype)
+            b = b + jnp.tanh(a @ w)
+            return (a, b, n + 1), jnp.sum(a)
+
+        (a, b, n), ys = jax.lax.scan(body, (x1, x2, jnp.int32(0)), ws)
+        return a, b, n, ys  # n an output: the walk starts the reverse scan from it
+
+    def loss(g):
+        def value(x1, x2, ws):
+            a, b, _, ys = g(x1, x2, ws)
+            return jnp.sum(a**2) + jnp.sum(jnp.sin(b)) + jnp.sum(ys)
+
+        return jax.jit(jax.grad(value, argnums=(0, 1, 2)))
+
+    x1, x2 = jnp.ones((2, 4)), 0.5 * jnp.ones((2, 4))
+    ws = 0.3 * jax.random.normal(jax.random.key(0), (5, 4, 4))
+    plain = loss(f)(x1, x2, ws)
+    rn.drift_recomputes(reset=True)
+    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+        inv = rn.invertible(f, known_argnums=2, fallback="recompute")
+        got = jax.block_until_ready(loss(inv)(x1, x2, ws))
+    assert sum(rn.drift_recomputes(reset=True).values()) == 5
+    assert rn.relative_error(got, plain) <= 1e-5
