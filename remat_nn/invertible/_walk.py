@@ -16,7 +16,7 @@ The failed check with the lowest step is reported as an int32 code (0: all exact
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -240,19 +240,28 @@ def anchor_key(eqn: int) -> tuple[str, int]:
     return ("anchor", eqn)
 
 
+def _checked_scans(schedule: WalkSchedule) -> Iterator[tuple[Step, Any]]:
+    """``(step, body analysis)`` of each scan the walk undoes whose body's walk runs checks."""
+    for step in schedule.steps:
+        if step.action not in ("inverse", "fused") or step.derivation is None:
+            continue
+        assessment = step.derivation.assessment
+        sub = None if assessment is None else assessment.sub
+        if isinstance(schedule.analysis.rules[step.eqn], ScanRule) and sub is not None:
+            if sub.checked:
+                yield step, sub
+
+
 def anchored_scans(schedule: WalkSchedule) -> list[int]:
     """The scans whose first carry ``fallback="recompute"`` keeps (``_scan_recompute``): those
     the walk undoes with cotangents whose body's walk runs checks and whose ``xs`` it knows
     (a rebuilt ``xs`` has nothing to replay from)."""
     out = []
-    for step in schedule.steps:
-        rule, d = schedule.analysis.rules[step.eqn], step.derivation
-        sub = None if d is None or d.assessment is None else d.assessment.sub
-        if step.action != "fused" or not isinstance(rule, ScanRule) or d is None or sub is None:
-            continue
+    for step, _ in _checked_scans(schedule):
         params = schedule.analysis.eqns[step.eqn].params
         first_x = params["num_consts"] + params["num_carry"]
-        if sub.checked and all(p < first_x for p in d.unknown):
+        assert step.derivation is not None  # _checked_scans yields derived steps
+        if step.action == "fused" and all(p < first_x for p in step.derivation.unknown):
             out.append(step.eqn)
     return out
 
@@ -262,15 +271,10 @@ def sketched_scans(schedule: WalkSchedule) -> list[tuple[int, Any, list]]:
     (``_scan_sketch``), those the walk undoes whose body's inversions are checked, each with
     its body's jaxpr and the body values it sketches: ``(equation, body, values)``."""
     out = []
-    for step in schedule.steps:
-        if step.action not in ("inverse", "fused"):
-            continue
-        rule, d = schedule.analysis.rules[step.eqn], step.derivation
-        sub = None if d is None or d.assessment is None else d.assessment.sub
-        if isinstance(rule, ScanRule) and sub is not None and sub.checked:
-            body_values = values(sub, step.action == "fused")
-            if body_values:
-                out.append((step.eqn, sub.jaxpr, body_values))
+    for step, sub in _checked_scans(schedule):
+        body_values = values(sub, step.action == "fused")
+        if body_values:
+            out.append((step.eqn, sub.jaxpr, body_values))
     return out
 
 

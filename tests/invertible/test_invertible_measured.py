@@ -22,6 +22,7 @@ import remat_nn as rn
 from benchmarks import invertible_matrix as matrix
 from benchmarks.invertible_drift import loss, problem, reference, stack
 from remat_nn.invertible import _api, _sketch
+from tests.jaxprs import equations
 
 REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
 
@@ -223,17 +224,13 @@ def test_the_sketches_cost_their_own_bytes_not_copies_of_the_activations():
     assert growth <= 12 * 6 * 64, growth  # 12 layers, at most 6 values each, 64 B a sketch
 
 
-def _ties(jaxpr, in_scan=False, found=None):
+def _ties(jaxpr):
     """``{False: n, True: m}``: the walk's scheduling ties (``_errors.after``: ``x - 0 * (dep >
     -1)``, found by their ``dep > -1``) outside and inside ``scan`` bodies of ``jaxpr``."""
-    from remat_nn._jax_internals import sub_jaxprs
-
-    found = {False: 0, True: 0} if found is None else found
-    for eqn in jaxpr.eqns:
+    found = {False: 0, True: 0}
+    for eqn, enclosing in equations(jaxpr):
         if eqn.primitive.name == "gt" and getattr(eqn.invars[-1], "val", None) == -1:
-            found[in_scan] += 1
-        for sub in sub_jaxprs(eqn):
-            _ties(sub, in_scan or eqn.primitive.name == "scan", found)
+            found["scan" in enclosing] += 1
     return found
 
 

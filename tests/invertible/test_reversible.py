@@ -21,6 +21,7 @@ import pytest
 import remat_nn as rn
 from remat_nn import names, nn
 from tests.gradients import rel_err
+from tests.jaxprs import equations
 
 WIDTH = 16  # features of x; halves of 8
 BATCH = 16
@@ -312,12 +313,7 @@ def test_memory_flat_in_depth_while_plain_grows_linearly(unroll):
 
 
 def _iotas(jaxpr) -> int:
-    from remat_nn._jax_internals import sub_jaxprs
-
-    return sum(
-        (eqn.primitive.name == "iota") + sum(_iotas(sub) for sub in sub_jaxprs(eqn))
-        for eqn in jaxpr.eqns
-    )
+    return sum(eqn.primitive.name == "iota" for eqn, _ in equations(jaxpr))
 
 
 def test_the_drift_checks_sign_matrices_are_constants_not_computed_and_held():
