@@ -12,7 +12,6 @@ import pytest
 
 from benchmarks import _common
 from benchmarks.__main__ import BENCHMARKS
-from tests.trainer_cli import shared_compilation_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,18 +35,17 @@ def test_quick_benchmarks_write_results_and_the_readme_rows(tmp_path: Path) -> N
     # benchmarks share what they compile in common (the transformer's presets and init:
     # transformer, planner, efficiency, strategies, donation; the quick RevNet-38: revnet,
     # efficiency) and planner and efficiency reuse the transformer benchmark's measurements, as in
-    # a full run (about 180 CPU-s against 184 for one process per benchmark: one run each). A
-    # compilation cache of the test's own serves the trainer benchmark's child processes, which
-    # would otherwise write to the user's (the suite's XLA flags reach them all: conftest.py).
+    # a full run (about 180 CPU-s against 184 for one process per benchmark: one run each). The
+    # suite's compilation cache (conftest.py) serves this process and the trainer benchmark's
+    # children, which would otherwise write to the user's (the suite's XLA flags reach them all).
     out = tmp_path / "results"
-    with shared_compilation_cache(str(tmp_path / "jax_cache")):  # for the children too
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = (out / "summary_quick.md").read_text()
     for name in BENCHMARKS:

@@ -43,7 +43,7 @@ REGISTER = "tests.train.tiny_models:register_fault_mlp"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fault_model_registered(module_compile_cache):
+def fault_model_registered():
     with tiny_models.registered(MODEL):
         yield
 

@@ -34,7 +34,7 @@ TinyDense = tiny_models.TinyDense
 
 
 @pytest.fixture(scope="module", autouse=True)
-def dense_model_registered(module_compile_cache):
+def dense_model_registered():
     with tiny_models.registered(DENSE):
         yield
 

@@ -20,7 +20,7 @@ import models
 import remat_nn as rn
 from models import transformer as tf
 from tests.gradients import rel_err
-from tests.trainer_cli import ROOT, run_in_process, shared_compilation_cache
+from tests.trainer_cli import ROOT, run_in_process
 from train import fused as fused_lib
 from train import loop, run_dir
 from train import state as state_lib
@@ -354,13 +354,6 @@ def test_revnet_cli_run_updates_in_the_backward(tmp_path):
 
 
 # --- through the trainer ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache_of_this_module(tmp_path_factory):
-    # The runs below compile the same few programs (each step, init, eval): once.
-    with shared_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
-        yield path
 
 
 def _cfg(run_dir, *overrides):

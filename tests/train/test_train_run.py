@@ -39,7 +39,7 @@ TINY = tiny_models.TRAIN_MLP
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tiny_model_registered(module_compile_cache):
+def tiny_model_registered():
     with tiny_models.registered(TINY):
         yield
 

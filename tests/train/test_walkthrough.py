@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from tests.trainer_cli import run_in_process, shared_compilation_cache
+from tests.trainer_cli import run_in_process
 from train.data import _pipeline as pipeline_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,18 +114,17 @@ def test_readme_walkthrough_trains_stops_and_resumes_bitwise(tmp_path, monkeypat
     monkeypatch.setattr(
         pipeline_lib, "crop_flip", lambda x, *a, **k: crops.append(len(x)) or crop_flip(x, *a, **k)
     )
-    # The four runs compile the same programs: once, through a shared compilation cache.
-    with shared_compilation_cache(str(tmp_path / "jax_cache")):
-        code, out = run_in_process(dry_run + tiny)
-        assert code == 0 and "model my_model:build" in out and "40 train / 16 test" in out, out
-        assert not (tmp_path / "runs" / "my_cifar" / "checkpoints").exists()
-        code, out = run_in_process(stop + tiny)
-        assert code == 0 and f"step {STOP:>6}/{STEPS}" in out and "resumed from" not in out, out
-        assert set(crops) == {8} and STOP <= len(crops) <= STOP + 2  # + 2 batches prefetched
-        code, out = run_in_process(resume + tiny)
-        assert code == 0 and f"(step {STOP})" in out and f"step {STEPS:>6}/{STEPS}" in out, out
-        code, out = run_in_process(resume + tiny + ["run_dir=runs/uninterrupted"])
-        assert code == 0 and "resumed from" not in out, out
+    # The four runs compile the same programs: once, through the suite's compilation cache.
+    code, out = run_in_process(dry_run + tiny)
+    assert code == 0 and "model my_model:build" in out and "40 train / 16 test" in out, out
+    assert not (tmp_path / "runs" / "my_cifar" / "checkpoints").exists()
+    code, out = run_in_process(stop + tiny)
+    assert code == 0 and f"step {STOP:>6}/{STEPS}" in out and "resumed from" not in out, out
+    assert set(crops) == {8} and STOP <= len(crops) <= STOP + 2  # + 2 batches prefetched
+    code, out = run_in_process(resume + tiny)
+    assert code == 0 and f"(step {STOP})" in out and f"step {STEPS:>6}/{STEPS}" in out, out
+    code, out = run_in_process(resume + tiny + ["run_dir=runs/uninterrupted"])
+    assert code == 0 and "resumed from" not in out, out
 
     resumed, reference = tmp_path / "runs" / "my_cifar", tmp_path / "runs" / "uninterrupted"
     a, b = saved(resumed, STEPS), saved(reference, STEPS)
