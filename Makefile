@@ -39,8 +39,9 @@ lint: $(STAMP)
 
 # The whole suite on two workers, the slowest 15 tests listed at the end. Tests are sent to the
 # workers by module (loadscope), so a module's fixtures (compiled stacks, trainer caches) are
-# built once, not once per worker.
-PYTEST := $(PY) -m pytest -n 2 --dist loadscope -q
+# built once, not once per worker; modules with slow tests first (conftest.py), so no long
+# module is left to run alone at the end.
+PYTEST := $(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -q
 
 test: $(STAMP) lint
 	$(PYTEST) --durations=15
