@@ -33,8 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # transformer's gradient compiles in a quarter of the default time (2.6 -> 0.7 CPU-s), the whole
 # suite ran in 630 s instead of 852 s (unpaired). Compiled memory moves by a few hundred bytes,
 # which tests/project/test_xla_flags.py checks on the suite's kinds of program; the benchmarks' and
-# the README's figures come from XLA's defaults.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# the README's figures come from XLA's defaults. And the machine code of a program in one piece
+# (``--xla_cpu_parallel_codegen_split_count=1``, against 32 by default): XLA:CPU splits a module
+# to generate its parts on several threads, which two test workers on two cores cannot use, and
+# the split itself costs (3.1 of the 15.9 s compile of the depth-32 unrolled invertible stack);
+# two test modules took 60-63 CPU-s of user time instead of 67-71 (two alternating runs each).
+TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def child_xla_flags() -> str:
