@@ -8,10 +8,11 @@
 - JAX's persistent compilation cache in a temporary directory, every entry kept: an in-process
   run (``train.loop.run``) never writes one into the repository or the user's cache, and a
   program built again from another closure is read, not compiled.
-- XLA:CPU's code generation at ``-O0``, with the classic fusion emitters (``TEST_XLA_FLAGS``, in
-  this process and the ones tests start): the suite checks values, gradients and compiled memory;
-  these flags change how fused loops become machine code, not what remat_nn saves, and a compile
-  takes a quarter to a half of the time (the suite is mostly compiles).
+- XLA:CPU's code generation at ``-O0``, with the classic fusion emitters, each program's code
+  generated in one piece (``TEST_XLA_FLAGS``, in this process and the ones tests start): the
+  suite checks values, gradients and compiled memory; these flags change how fused loops become
+  machine code, not what remat_nn saves, and a compile takes a quarter to a half of the time
+  (the suite is mostly compiles).
   tests/project/test_xla_flags.py checks that compiled temp stays within 1% of a flagless
   process's on the suite's kinds of program.
 - ``jax_upgrade_flags``: runs a test twice, as JAX is today and with the upgrade flags that
