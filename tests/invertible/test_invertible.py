@@ -332,10 +332,10 @@ def test_compiled_temp_memory_slope(compiled_stacks):
 @pytest.mark.slow
 def test_unrolled_stack_temp_memory_is_flat_in_depth(compiled_stacks):
     """The README's figure (there from depth 8 to 64): the compiled temp bytes do not grow from
-    depth 8 to DEEP but by the
-    forward pass's sketches, K + 1 scalars per value the walk derives from a rebuilt one (the
-    walk's scalars, errors and checks, are computed at their step; one of them can land at the
-    end of the buffer at one depth and in a gap at another: 64 bytes either way)."""
+    depth 8 to DEEP but by the forward pass's sketches, K + 1 scalars per value the walk derives
+    from a rebuilt one (the walk's scalars, errors and checks, are computed at their step; one of
+    them can land at the end of the buffer at one depth and in a gap at another: 64 bytes either
+    way)."""
     temp = {k: c.memory_analysis().temp_size_in_bytes for k, (c, _) in compiled_stacks.items()}
     sketches = {}
     for n in (8, DEEP):
