@@ -257,7 +257,7 @@ def _as_custom_vjp(analysis: Analysis, recompute: bool = False) -> Callable:
             sketches=_by_value(analysis.schedule(True, False), sketches),
         )
         assert in_cts is not None  # execute returns the input cotangents when given cotangents
-        stop_on_failed_check(code)
+        stop_on_failed_check(code, "recompute" if recompute else "error")
         in_cts = [c if f else None for c, f in zip(in_cts, float_in, strict=True)]
         return tuple(_named_axes.cotangents_like(in_cts, types))
 

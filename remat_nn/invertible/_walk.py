@@ -16,6 +16,7 @@ The failed check with the lowest step is reported as an int32 code (0: all exact
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
@@ -473,19 +474,36 @@ def execute(
     return new_in, cts, state.code, [state.err.get(v) for v in jaxpr.invars]
 
 
-def stop_on_failed_check(code: Any) -> None:
+#: Appended to a failed check's text: what ``fallback`` could do about it.
+_FALLBACK_NOTES = {
+    "error": """
+With fallback="recompute", an iteration of a top-level `jax.lax.scan` over stacked weights whose
+check fails is recomputed from the scan's first carry instead (write repeated layers as one).""",
+    "recompute": """
+fallback="recompute" could not recompute it: it recomputes only iterations of a `jax.lax.scan`
+at the top level of f whose per-iteration inputs are known (stacked weights), and this check is
+outside one (an unrolled Python loop, a scan nested in a body or over rebuilt inputs). Write
+the repeated layers as such a scan to have them recomputed instead of refused.""",
+}
+
+
+def stop_on_failed_check(code: Any, fallback: str | None = None) -> None:
     """Stages a host callback that raises the error of the first failed check in ``code``
     (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged), run
     only where a check failed (``_drift.report_if``: a step whose checks pass makes no host
     round trip, which cost the depth benchmark's 8-layer step 0.5 ms of its 6). Under ``jit``
-    the refusal is in the error's first lines: :mod:`remat_nn._host_errors`.
+    the refusal is in the error's first lines: :mod:`remat_nn._host_errors`. Given the
+    gradient's ``fallback`` (``rn.invertible``'s), the text ends with what it could do: a
+    check that reaches here failed outside the scans ``fallback="recompute"`` recomputes in.
     """
     if code is not None:
-        _drift.report_if(code != 0, _raise_failed_check, code)
+        note = "" if fallback is None else _FALLBACK_NOTES[fallback]
+        _drift.report_if(code != 0, functools.partial(_raise_failed_check, note), code)
 
 
-def _raise_failed_check(code: Any) -> None:
+def _raise_failed_check(note: str, code: Any) -> None:
     failed = np.asarray(code).ravel()
     failed = failed[failed != 0]
     if failed.size:
-        raise_from_callback(NotInvertibleError(_CHECK_MESSAGES[int(failed[0]) - 1]))
+        text = _CHECK_MESSAGES[int(failed[0]) - 1] + note
+        raise_from_callback(NotInvertibleError(text))
