@@ -8,6 +8,8 @@ ahead of time with the whole state donated. The loop (:mod:`train.loop`) and the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ from train.config import AutoRequest, Config
 from train.errors import SetupError
 from train.state import TrainState
 
-__all__ = ["Experiment", "build_experiment", "model_options", "schedule_steps"]
+__all__ = ["Experiment", "build_experiment", "compiled", "model_options", "schedule_steps"]
 
 
 @dataclass
@@ -52,8 +54,9 @@ class Experiment:
       tx: the optimizer.
       step_fn: the train step before jit (the dry run measures it).
       jit_kwargs: shardings and donation the step is compiled with.
-      train_step: the compiled step; ``train_step(state, batch)`` donates ``state``.
-      eval_step: the jitted eval step (adds to running sums).
+      train_step: the compiled step; ``train_step(state, batch)`` donates ``state``. None
+        until :func:`compiled` when built with ``compile_step=False``.
+      eval_step: the jitted eval step (adds to running sums); None with ``train_step``.
       auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
       plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
         ``variant`` may change the parameters); None otherwise.
@@ -85,6 +88,8 @@ class Experiment:
     auto_choice: AutoChoice | None = None
     loss: losses_lib.LossFn = losses_lib.cross_entropy
     metric_names: tuple[str, ...] = ("accuracy",)
+    #: ``compile_step=False``: compiles the steps (:func:`compiled` calls it).
+    pending: Callable[[], _Steps] | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -102,8 +107,11 @@ def build_experiment(
     out: Callable[[str], None] | None = None,
     restart: bool = False,
     dry_run: bool = False,
+    compile_step: bool = True,
 ) -> Experiment:
-    """Loads the data, builds the model and optimizer, and compiles the donated train step."""
+    """Loads the data, builds the model and optimizer, and compiles the donated train step
+    (with ``compile_step=False``, not yet: :func:`compiled` does, so that a run found complete
+    on resume never compiles it)."""
     _use_compile_cache(cfg)
     spec = _model_spec(cfg)
     loss = _loss(cfg, spec)
@@ -142,7 +150,8 @@ def build_experiment(
     say(_summary(cfg, abstract, dataset, mesh, global_bs))
     say(remat_lib.plan_line(cfg.remat_request, options.get("remat"), spec.remat_presets, choice))
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
-    steps = _compile_steps(
+    pending = functools.partial(
+        _compile_steps,
         cfg,
         _train_step_fn(cfg, spec, model, tx, schedule, compute_dtype, has_bn, loss),
         state_lib.make_eval_step(
@@ -153,6 +162,7 @@ def build_experiment(
         shardings=(state_sh, batch_sh, repl),
         say=say,
     )
+    steps = pending() if compile_step else _Steps(pending.args[1], {}, None, None, ())
     return Experiment(
         cfg=cfg,
         dataset=dataset,
@@ -174,7 +184,15 @@ def build_experiment(
         plan_file=plan_file,
         auto_choice=choice,
         loss=loss,
+        pending=None if compile_step else pending,
     )
+
+
+def compiled(exp: Experiment) -> Experiment:
+    """``exp`` with its train and eval steps compiled (itself if they are)."""
+    if exp.pending is None:
+        return exp
+    return dataclasses.replace(exp, pending=None, **exp.pending()._asdict())
 
 
 def _batch_abstract(example: dict[str, Any], global_bs: int, sharding: Any) -> dict[str, Any]:

@@ -8,7 +8,8 @@ A run takes five named steps, read in :func:`run` top to bottom:
    once with the same error instead of waiting for the coordinator's timeout.
 2. :func:`train.experiment.build_experiment` — data, model, mesh, optimizer, and the train step
    compiled ahead of time with the whole :class:`TrainState` donated (proved from XLA's alias
-   bytes).
+   bytes). With ``restart`` it compiles before the old run is deleted; otherwise after step 3,
+   only if steps are left (:func:`train.experiment.compiled`), so a finished run compiles nothing.
 3. :func:`train.resume.restore_or_init` — resume from the newest verified checkpoint (unless
    ``restart``), in the order its docstring gives.
 4. :func:`train_loop` — step, log, eval and checkpoint sections. The host syncs only at log,
@@ -45,7 +46,7 @@ from train.errors import (
     RunLockedError,
     SetupError,
 )
-from train.experiment import Experiment, build_experiment
+from train.experiment import Experiment, build_experiment, compiled
 from train.metrics_file import MetricsLog
 from train.profile import ProfileWindow
 from train.resume import Resume, already_complete, restore_or_init, warn_if_schedule_spent
@@ -138,7 +139,11 @@ def run(
 
     lock = run_dir.start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
     try:
-        exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
+        # A resumed run compiles its step once it knows there are steps left; a restart
+        # compiles it first, before the old run's checkpoints are deleted.
+        exp = build_experiment(
+            cfg, say=say, out=out, restart=restart, dry_run=False, compile_step=restart
+        )
         run_dir.prepare(exp.run_dir, restart=restart)
         ckpt = Checkpointer(
             exp.run_dir / "checkpoints",
@@ -155,8 +160,8 @@ def run(
                 allow_dtype_cast=allow_dtype_cast,
                 allow_config_change=allow_config_change,
             )
-            run_dir.record_config(exp.run_dir, cfg)
             if resume.step >= cfg.train.steps:
+                run_dir.record_config(exp.run_dir, cfg)
                 say(already_complete(cfg, resume.step, exp.run_dir))
                 return RunResult(
                     resume.step,
@@ -165,6 +170,8 @@ def run(
                     resumed_from=resume.step,
                     seconds=_since(t_start),
                 )
+            exp = compiled(exp)  # a config the step refuses stops here: nothing recorded
+            run_dir.record_config(exp.run_dir, cfg)
             warn_if_schedule_spent(exp, resume.step)
             outcome = train_loop(
                 exp,

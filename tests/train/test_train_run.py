@@ -28,7 +28,7 @@ from tests.gradients import rel_err
 from tests.ports import held_port
 from tests.train import tiny_models
 from tests.trainer_cli import launch
-from train import donation, loop
+from train import donation, experiment, loop
 from train import state as state_lib
 from train.checkpoint import Checkpointer
 from train.config import Checkpoint, load_config
@@ -576,12 +576,46 @@ def test_only_config_errors_exit_2_and_other_errors_keep_their_traceback(tmp_pat
         main(args)
 
 
+def _no_compile(*args, **kwargs):
+    raise AssertionError("the train step was compiled")
+
+
+def loss_without_metrics(outputs, targets):
+    """Cross-entropy that reports no accuracy (``model.loss`` of the test below)."""
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, targets), {}
+
+
+def test_a_restart_the_step_refuses_keeps_the_old_run(tmp_path):
+    """``--restart`` compiles the step before it deletes the old run's checkpoints, and a
+    resumed run before it records its config: a config the compiled step refuses (a
+    ``best_metric`` the loss does not report) changes nothing on disk. (Catches a restart
+    that deletes first, now that a resumed run compiles only once it knows steps are left.)"""
+    run = tmp_path / "run"
+    loop.run(make_cfg(run))
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    bad = (
+        f"model.loss={__name__}:loss_without_metrics",
+        "checkpoint.keep_best=1",
+        "checkpoint.best_metric=eval_accuracy",
+    )
+    for restart, steps in ((True, 8), (False, 10)):
+        cfg = make_cfg(run, *bad, f"train.steps={steps}", "optim.schedule_steps=8")
+        with pytest.raises(loop.SetupError, match="best_metric=eval_accuracy"):
+            loop.run(cfg, restart=restart, allow_config_change=True)
+        after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+        changed = [p.name for p in before if after.get(p) != before[p]]
+        print(f"restart={restart}: files changed or removed: {changed}")
+        assert not changed
+
+
 def test_extending_a_finished_run_keeps_its_schedule_bit_for_bit(tmp_path):
     # Cosine over 8 steps ending at half the peak lr, so the extra steps still train.
     common = ("optim.final_lr_fraction=0.5", "train.eval_every=0")
     loop.run(make_cfg(tmp_path / "ext", *common), allow_config_change=False)
     lines: list[str] = []
-    loop.run(make_cfg(tmp_path / "ext", *common), out=lines.append)
+    with pytest.MonkeyPatch.context() as patch:  # a finished run compiles no step
+        patch.setattr(experiment, "_compile_steps", _no_compile)
+        loop.run(make_cfg(tmp_path / "ext", *common), out=lines.append)
     assert "run already complete" in lines[-1] and "optim.schedule_steps=8" in lines[-1]
 
     # More steps alone would stretch the schedule mid-run: refused, naming the key.
