@@ -1,9 +1,9 @@
 """The :class:`Experiment`: everything a run builds from its config before the first step.
 
 :func:`build_experiment` loads the data, builds the model under its remat plan (planning it first
-for ``remat: {policy: auto}``), lays the train state out on the mesh and compiles the train step
-ahead of time with the whole state donated. The loop (:mod:`train.loop`) and the dry run
-(:mod:`train.dry_run`) both start from it.
+for ``remat: {policy: auto}``) and lays the train state out on the mesh; :func:`compiled`
+compiles the train step ahead of time with the whole state donated. The loop (:mod:`train.loop`)
+and the dry run (:mod:`train.dry_run`) both start from it.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class Experiment:
       tx: the optimizer.
       step_fn: the train step before jit (the dry run measures it).
       jit_kwargs: shardings and donation the step is compiled with.
-      train_step: the compiled step; ``train_step(state, batch)`` donates ``state``. None
-        until :func:`compiled` when built with ``compile_step=False``.
+      train_step: the compiled step; ``train_step(state, batch)`` donates ``state`` (None
+        until :func:`compiled`).
       eval_step: the jitted eval step (adds to running sums); None with ``train_step``.
       auto_choice: ``remat: {policy: auto}``: the planner's choice (plan and form).
       plan_file: ``remat: {policy: auto}``: the plan file the model was built from (its
@@ -88,7 +88,7 @@ class Experiment:
     auto_choice: AutoChoice | None = None
     loss: losses_lib.LossFn = losses_lib.cross_entropy
     metric_names: tuple[str, ...] = ("accuracy",)
-    #: ``compile_step=False``: compiles the steps (:func:`compiled` calls it).
+    #: Compiles the steps (:func:`compiled` calls it; None once it has).
     pending: Callable[[], _Steps] | None = None
 
     @property
@@ -107,24 +107,20 @@ def build_experiment(
     out: Callable[[str], None] | None = None,
     restart: bool = False,
     dry_run: bool = False,
-    compile_step: bool = True,
 ) -> Experiment:
-    """Loads the data, builds the model and optimizer, and compiles the donated train step
-    (with ``compile_step=False``, not yet: :func:`compiled` does, so that a run found complete
-    on resume never compiles it)."""
+    """Loads the data, builds the model and optimizer, and prepares the donated train step:
+    :func:`compiled` compiles it (a run found complete on resume never does)."""
     _use_compile_cache(cfg)
     spec = _model_spec(cfg)
     loss = _loss(cfg, spec)
     dataset = data_lib.load(cfg.data, task=spec.task)
     options = model_options(cfg, spec, dataset)
-    # The config's remat request resolved once: a Plan, "none", an AutoRequest (planned below)
-    # or None (the model's default plan).
+    # The config's remat request resolved once: a Plan, "none", an AutoRequest or None (default).
     plan = remat_lib.resolve(cfg.remat_request, spec, model=cfg.model.label)
     mesh = sharding_lib.make_mesh(cfg.mesh)
     global_bs = _global_batch_size(cfg, mesh.size)
     data_lib.check_batch(dataset, global_bs, jax.process_count())  # before anything is written
-    batch_sh = sharding_lib.batch_sharding(mesh)
-    repl = sharding_lib.replicated(mesh)
+    batch_sh, repl = sharding_lib.batch_sharding(mesh), sharding_lib.replicated(mesh)
     tx, schedule = _optimizer(cfg)
     example = dataset.example_batch(1)
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
@@ -162,7 +158,6 @@ def build_experiment(
         shardings=(state_sh, batch_sh, repl),
         say=say,
     )
-    steps = pending() if compile_step else _Steps(pending.args[1], {}, None, None, ())
     return Experiment(
         cfg=cfg,
         dataset=dataset,
@@ -176,7 +171,7 @@ def build_experiment(
         abstract=abstract,
         init=init,
         tx=tx,
-        **steps._asdict(),  # step_fn, jit_kwargs, train_step, eval_step, metric_names
+        **_Steps(pending.args[1], {}, None, None, ())._asdict(),  # compiled() fills them
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         say=say,
@@ -184,7 +179,7 @@ def build_experiment(
         plan_file=plan_file,
         auto_choice=choice,
         loss=loss,
-        pending=None if compile_step else pending,
+        pending=pending,
     )
 
 

@@ -133,17 +133,15 @@ def run(
     t_start = time.perf_counter()
     say = _printer(out, multihost.is_main())
     if dry_run:
-        exp = build_experiment(cfg, say=say, out=out, restart=False, dry_run=True)
+        exp = compiled(build_experiment(cfg, say=say, out=out, restart=False, dry_run=True))
         dry_run_report(exp)
         return RunResult(0, None, run_dir=exp.run_dir, seconds=_since(t_start))
 
     lock = run_dir.start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
     try:
-        # A resumed run compiles its step once it knows there are steps left; a restart
-        # compiles it first, before the old run's checkpoints are deleted.
-        exp = build_experiment(
-            cfg, say=say, out=out, restart=restart, dry_run=False, compile_step=restart
-        )
+        exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
+        if restart:  # compiled before the old run's checkpoints are deleted; a resumed run
+            exp = compiled(exp)  # compiles once it knows steps are left
         run_dir.prepare(exp.run_dir, restart=restart)
         ckpt = Checkpointer(
             exp.run_dir / "checkpoints",
