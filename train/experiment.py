@@ -146,10 +146,11 @@ def build_experiment(
     say(_summary(cfg, abstract, dataset, mesh, global_bs))
     say(remat_lib.plan_line(cfg.remat_request, options.get("remat"), spec.remat_presets, choice))
     remat_lib.check_offload(plan, cfg.train.offload_on_cpu, say)
+    step_fn = _train_step_fn(cfg, spec, model, tx, schedule, compute_dtype, has_bn, loss)
     pending = functools.partial(
         _compile_steps,
         cfg,
-        _train_step_fn(cfg, spec, model, tx, schedule, compute_dtype, has_bn, loss),
+        step_fn,
         state_lib.make_eval_step(
             model, compute_dtype=compute_dtype, has_batch_stats=has_bn, loss=loss
         ),
@@ -171,7 +172,7 @@ def build_experiment(
         abstract=abstract,
         init=init,
         tx=tx,
-        **_Steps(pending.args[1], {}, None, None, ())._asdict(),  # compiled() fills them
+        **_Steps(step_fn, {}, None, None, ())._asdict(),  # compiled() fills in the rest
         compute_dtype=compute_dtype,
         has_batch_stats=has_bn,
         say=say,

@@ -140,8 +140,10 @@ def run(
     lock = run_dir.start(cfg, restart=restart, allow_config_change=allow_config_change, say=say)
     try:
         exp = build_experiment(cfg, say=say, out=out, restart=restart, dry_run=False)
-        if restart:  # compiled before the old run's checkpoints are deleted; a resumed run
-            exp = compiled(exp)  # compiles once it knows steps are left
+        # A restart compiles the step before the old run's checkpoints are deleted; a resumed
+        # run once it knows steps are left (below).
+        if restart:
+            exp = compiled(exp)
         run_dir.prepare(exp.run_dir, restart=restart)
         ckpt = Checkpointer(
             exp.run_dir / "checkpoints",

@@ -165,13 +165,6 @@ def test_a_recomputed_iteration_with_an_integer_carry_and_per_iteration_outputs(
     assert rn.relative_error(got, plain) <= 1e-5
 
 
-def _unrolled(x1, x2, wf, wg):
-    for k in range(wf.shape[0]):
-        x1 = x1 + jnp.tanh(x2 @ wf[k])
-        x2 = x2 + jnp.tanh(x1 @ wg[k])
-    return x1, x2
-
-
 @pytest.mark.parametrize("fallback", ["error", "recompute"])
 def test_a_check_that_fails_outside_a_scan_says_what_the_fallback_could_do(fallback):
     """An unrolled stack whose derivative check fails is refused with either fallback, under
@@ -179,13 +172,12 @@ def test_a_check_that_fails_outside_a_scan_says_what_the_fallback_could_do(fallb
     ``"recompute"`` it says why nothing was recomputed (the check is outside a top-level scan)
     and the fix. (Catches a refusal that advises the fallback the user already chose, or a
     recompute that silently did nothing.)"""
-    h = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(2, 16)
-    ws = 0.3 * jnp.cos(jnp.arange(3 * 16 * 16, dtype=jnp.float32)).reshape(3, 16, 16)
-    grad = matrix._grad(rn.invertible(_unrolled, known_argnums=(2, 3), fallback=fallback))
+    unrolled = replace(CHAOTIC, width=16, loop="loop")  # a Python loop over the layers
+    grad, args = _cell(unrolled, "lecun", depth=3, fallback=fallback)
     rn.drift_recomputes(reset=True)
     with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
         with pytest.raises(REFUSED) as refused:
-            jax.block_until_ready(grad(h, 2.0 * h, ws, ws, h, h))
+            jax.block_until_ready(grad(*args))
     text = str(refused.value)
     head = text[text.index("rn.invertible: the derivative") :]
     print(head)

@@ -1,9 +1,8 @@
 """The suite's XLA flags (``TEST_XLA_FLAGS``: -O0, classic fusion emitters, code generated in
 one piece) make compiles cheaper without changing what the suite measures: on the kinds of
 program it asserts compiled memory of, the temp bytes stay within 1% of what a process with no
-XLA flags compiles. If a new flag or an
-XLA upgrade makes the two part ways, this fails, and the suite's memory assertions would no
-longer speak for a user's default build."""
+XLA flags compiles. If a new flag or an XLA upgrade makes the two part ways, this fails, and the
+suite's memory assertions would no longer speak for a user's default build."""
 
 from __future__ import annotations
 
