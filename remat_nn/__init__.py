@@ -62,7 +62,8 @@ from remat_nn._compare import RelativeError, relative_error
 
 # --- reversible: couplings and drift checks -------------------------------------------------------
 from remat_nn._drift import SCOPE as DRIFT_SCOPE
-from remat_nn._drift import drift_recomputes
+from remat_nn._drift import REPORT_FIELDS as DRIFT_REPORT_FIELDS
+from remat_nn._drift import drift_recomputes, report_drift_to
 from remat_nn._coupling import (
     ReversibleBlock,
     additive_combine,
@@ -129,8 +130,10 @@ __all__ = [
     "affine_uncombine",
     "check_invertible",
     "coupling_block",
+    "DRIFT_REPORT_FIELDS",
     "DRIFT_SCOPE",
     "drift_recomputes",
+    "report_drift_to",
     "inverse_scan",
     "plain_scan",
     "reversible_scan",

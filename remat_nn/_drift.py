@@ -35,6 +35,8 @@ stack in ``benchmarks/results/drift_cost.md``.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -54,6 +56,9 @@ __all__ = [
     "EPS_MULTIPLE",
     "FALLBACKS",
     "NUM_PROJECTIONS",
+    "REPORT_FIELDS",
+    "DriftSink",
+    "current_sink",
     "default_rtol",
     "drift",
     "drift_recomputes",
@@ -61,6 +66,7 @@ __all__ = [
     "recomputed",
     "refuse_if",
     "replay",
+    "report_drift_to",
     "report_if",
     "sketch",
     "validate",
@@ -108,6 +114,69 @@ def drift_recomputes(*, reset: bool = False) -> dict[str, int]:
     if reset:
         RECOMPUTED.clear()
     return counts
+
+
+#: What a drift probe's cotangent counts, by position (:func:`report_drift_to`).
+REPORT_FIELDS = ("drift_failed", "drift_recomputed")
+
+
+class DriftSink:
+    """Where the checks traced inside :func:`report_drift_to` report: ``probe``'s cotangent.
+    ``used`` turns true when a checked stack took the probe (at trace time)."""
+
+    def __init__(self, probe: jax.Array):
+        self.probe, self.used = probe, False
+
+    def take(self) -> jax.Array:
+        """The probe, for a checked stack's custom VJP to take as an input."""
+        self.used = True
+        return self.probe
+
+
+_SINK: contextvars.ContextVar[DriftSink | None] = contextvars.ContextVar("drift_sink", default=None)
+
+
+def current_sink() -> DriftSink | None:
+    """The sink of the innermost :func:`report_drift_to`, or None (checks report to the host)."""
+    return _SINK.get()
+
+
+@contextlib.contextmanager
+def report_drift_to(probe: jax.Array):
+    """Inside, checked reversible stacks report to ``probe``'s cotangent, not to the host.
+
+    By default a drift check that fails raises (``fallback="error"``) and a recompute is counted
+    (``"recompute"``) by a host callback. JAX never stores a compiled program that holds a host
+    callback in its persistent compilation cache, so such a training step compiles again in
+    every process. Traced inside this context, a reversible stack (:func:`remat_nn.reversible_scan`
+    and the modules over it) takes ``probe`` (float32 zeros of shape ``(2,)``, see
+    :data:`REPORT_FIELDS`) as an input of its custom VJP and returns, as its cotangent, how many
+    stacks failed their check (no error is raised: the caller must read it and refuse the
+    gradient) and how many layers were recomputed. Cotangents add up, so differentiating with
+    respect to ``probe`` gives the counts summed over every stack, layer and, under ``vmap``,
+    example. The step then holds no host callback.
+
+    Yields the :class:`DriftSink`; its ``used`` tells, after tracing, whether any stack took it.
+
+    >>> import jax, jax.numpy as jnp, remat_nn as rn
+    >>> block = rn.coupling_block(lambda p, c, x: (x * p, c), lambda p, c, x: (x * p, c))
+    >>> def loss(p, probe):
+    ...     with rn.report_drift_to(probe):
+    ...         return jnp.sum(rn.reversible_scan(block, p, (jnp.ones(2), jnp.ones(2)))[0][0])
+    >>> jax.grad(loss, argnums=1)(jnp.full(4, 0.5), jnp.zeros(2)).tolist()  # nothing drifted
+    [0.0, 0.0]
+    """
+    sink = DriftSink(probe)
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+def counts(failed: jax.Array | int, recomputed: jax.Array | int) -> jax.Array:
+    """A probe's cotangent: ``(2,)`` float32, in the order of :data:`REPORT_FIELDS`."""
+    return jnp.stack([jnp.asarray(failed, jnp.float32), jnp.asarray(recomputed, jnp.float32)])
 
 
 _DRIFTED = (

@@ -120,6 +120,7 @@ class _Check(NamedTuple):
     sketches: jax.Array  # (layers, k + 2)
     start: PyTree  # the first layer's input, kept (None unless fallback="recompute")
     offset: jax.Array | int  # the first layer's index in the whole stack
+    to_probe: bool  # recomputes are counted in the backward's result, not by a host callback
 
 
 def _block_vjp(block: ReversibleBlock, p, c, y, dy):
@@ -171,7 +172,8 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
         return rebuilt, bad, drift
 
     def recompute(params, consts, start, i, layer, p, c, dy):
-        jax.debug.callback(_recomputed, layer)
+        if not check.to_probe:
+            jax.debug.callback(_recomputed, layer)
         x = _recompute(block, params, consts, start, i)
         return (x, *_vjp_at(block, p, c, x, dy))
 
@@ -180,24 +182,25 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
     return _drift.when(bad, recompute, args, rebuilt), bad, drift
 
 
-def _none_drifted() -> tuple[jax.Array, jax.Array]:
-    """No layer drifted: ``(layer, its drift)`` of the first that did, as the backward carries
-    it (layer -1)."""
-    return jnp.int32(-1), jnp.float32(0.0)
+def _none_drifted() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """No layer drifted: ``(layer, its drift, count)`` of the first that did and of how many
+    did, as the backward carries it (layer -1, count 0)."""
+    return jnp.int32(-1), jnp.float32(0.0), jnp.int32(0)
 
 
-def _first(first, bad, layer, drift):
-    """The first drifted layer and its drift: ``first``, or ``(layer, drift)`` if it is none
-    and ``bad``."""
+def _first(first, bad, layer, drift, count=1):
+    """The first drifted layer, its drift and the count: ``first``, updated with ``(layer,
+    drift)`` if it is none and ``bad``, and ``count`` more drifted layers if ``bad``."""
     take = bad & (first[0] < 0)
     layer, drift = jnp.asarray(layer, jnp.int32), jnp.asarray(drift, jnp.float32)
-    return jnp.where(take, layer, first[0]), jnp.where(take, drift, first[1])
+    total = first[2] + jnp.where(bad, jnp.asarray(count, jnp.int32), 0)
+    return jnp.where(take, layer, first[0]), jnp.where(take, drift, first[1]), total
 
 
 def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, check=None):
-    """``(dx, dparams, first)``: the reverse scan over layers; ``first`` is ``(layer, drift)``
-    of the first layer (in the backward's order) whose rebuilt input failed ``check``
-    (:func:`_none_drifted` if none, or without a check)."""
+    """``(dx, dparams, first)``: the reverse scan over layers; ``first`` is ``(layer, drift,
+    count)`` of the first layer (in the backward's order) whose rebuilt input failed ``check``
+    and of how many failed (:func:`_none_drifted` if none, or without a check)."""
 
     def step(carry, layer):
         y, dy, after, first = carry
@@ -303,6 +306,7 @@ class _Stack(NamedTuple):
     unroll: int | bool
     fallback: str
     rtol: float
+    to_probe: bool  # report to a probe's cotangent (remat_nn._drift.report_drift_to), not the host
 
     @property
     def keep_starts(self) -> bool:  # the stack's input is kept for recomputes
@@ -331,29 +335,46 @@ class _Stack(NamedTuple):
         return y, _unsegment(new_consts), starts, sketches
 
     def backward(self, params, consts, y, starts, sketches, dy):
-        """``(dx, dparams)``."""
+        """``(dx, dparams, counts)``; ``counts``: :func:`remat_nn._drift.counts` (failed
+        stacks, recomputed layers) with ``to_probe``, else None (a failed check raises)."""
         args = (params, consts, y, starts, sketches, dy)
         if self.fallback == "error":
             # Flagged in the loop and refused once at the end: a conditional per layer cost
             # RevNet-38's step 11% (an unrolled stack's conditionals break its stream of ops).
-            dx, dparams, (layer, drift) = self.backward_with(*args, mode="flag", unroll=self.unroll)
+            dx, dparams, (layer, drift, _) = self.backward_with(
+                *args, mode="flag", unroll=self.unroll
+            )
+            if self.to_probe:
+                return dx, dparams, _drift.counts(layer >= 0, 0)
             _drift.refuse_if(layer >= 0, _DRIFTED, layer, drift, self.rtol)
-            return dx, dparams
+            return dx, dparams, None
         if self.fallback != "recompute" or self.unroll is not True:
-            return self.backward_with(*args, mode=self.fallback, unroll=self.unroll)[:2]
+            mode, unroll = self.fallback, self.unroll
+            dx, dparams, (_, _, n) = self.backward_with(*args, mode=mode, unroll=unroll)
+            return dx, dparams, self._counts(n if mode == "recompute" else 0)
         # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
         # of its own (memory growing with depth): the unrolled backward only flags drift, and
         # if a layer drifted, the backward runs again rolled, recomputing where needed.
-        dx, dparams, (layer, _) = self.backward_with(*args, mode="flag", unroll=True)
-        rolled = lambda *a: self.backward_with(*a, mode="recompute", unroll=1)[:2]  # noqa: E731
-        return _drift.when(layer >= 0, rolled, args, (dx, dparams))
+        dx, dparams, (layer, _, _) = self.backward_with(*args, mode="flag", unroll=True)
+
+        def rolled(*a):
+            dx, dparams, (_, _, n) = self.backward_with(*a, mode="recompute", unroll=1)
+            return dx, dparams, n
+
+        dx, dparams, n = _drift.when(layer >= 0, rolled, args, (dx, dparams, jnp.int32(0)))
+        return dx, dparams, self._counts(n)
+
+    def _counts(self, recomputed: jax.Array | int) -> jax.Array | None:
+        return _drift.counts(0, recomputed) if self.to_probe else None
 
     def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):
         """``(dx, dparams, first)`` with the drift check in ``mode`` (``first``: see
         :func:`_backward_layers`)."""
 
         def check(sk, start, offset):
-            return None if self.fallback == "none" else _Check(mode, self.rtol, sk, start, offset)
+            if self.fallback == "none":
+                return None
+            return _Check(mode, self.rtol, sk, start, offset, self.to_probe)
 
         block, num_segments = self.block, self.num_segments
         if num_segments == 1:
@@ -365,7 +386,7 @@ class _Stack(NamedTuple):
             p, c, end, start, sk, s = seg
             chk = check(sk, start, s * (_depth(params, consts) // num_segments))
             dx, dp, seg_first = _backward_layers(block, p, c, end, dy, unroll, chk)
-            return (dx, _first(first, seg_first[0] >= 0, *seg_first)), dp
+            return (dx, _first(first, seg_first[2] > 0, *seg_first)), dp
 
         anchors = jax.tree.map(lambda a: a[1:], starts) if self.keep_starts else starts
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
@@ -386,11 +407,12 @@ def _make_reversible(stack: _Stack) -> Callable:
     """The custom_vjp of ``stack``."""
     axes = _named_axes.BoundAxes()
 
+    # probe: None, or what the backward reports to (remat_nn._drift.report_drift_to).
     @jax.custom_vjp
-    def run(params, consts, x):
+    def run(params, consts, x, probe):
         return stack.forward(params, consts, x, checks=False)[:2]
 
-    def run_fwd(params, consts, x):
+    def run_fwd(params, consts, x, probe):
         axes.capture()
         y, new_consts, starts, sketches = stack.forward(
             params, consts, x, checks=stack.fallback != "none"
@@ -399,7 +421,7 @@ def _make_reversible(stack: _Stack) -> Callable:
         # num_segments - 1 anchors, and with the drift check (k + 2) floats per layer, plus the
         # stack's input for fallback="recompute". Nothing per layer of an activation's size.
         # (Under shard_map, also the input types, for 0 bytes: see _named_axes.)
-        types = _named_axes.type_witness((params, x))
+        types = _named_axes.type_witness((params, x, probe))
         if stack.keep_starts and stack.num_segments == 1:
             starts = x
         return (y, new_consts), (params, consts, y, starts, sketches, types)
@@ -408,9 +430,10 @@ def _make_reversible(stack: _Stack) -> Callable:
         params, consts, y, starts, sketches, types = res
         dy, _ = cts  # new_consts are not differentiated (see ReversibleBlock.forward)
         with axes.rebound():  # a block's collectives (BatchNorm's pmean) under vmap
-            dx, dparams = stack.backward(params, consts, y, starts, sketches, dy)
-        dparams, dx = _named_axes.cotangents_like((dparams, dx), types)
-        return dparams, None, dx
+            dx, dparams, counts = stack.backward(params, consts, y, starts, sketches, dy)
+        # (Under shard_map, a replicated probe's counts are summed over the devices.)
+        dparams, dx, counts = _named_axes.cotangents_like((dparams, dx, counts), types)
+        return dparams, None, dx, counts
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -508,8 +531,9 @@ def reversible_scan(
     unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
     if drift_rtol is None:  # fallback="none" checks nothing: no tolerance to work out
         drift_rtol = 0.0 if fallback == "none" else _default_rtol(block, params, consts, stream)
-    run = _make_reversible(_Stack(block, num_segments, unroll, fallback, float(drift_rtol)))
-    y, new_consts = run(params, consts, stream)
+    sink = _drift.current_sink()
+    stack = _Stack(block, num_segments, unroll, fallback, float(drift_rtol), sink is not None)
+    y, new_consts = _make_reversible(stack)(params, consts, stream, sink and sink.take())
     return _cast(y, dtypes), new_consts
 
 

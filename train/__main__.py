@@ -19,15 +19,15 @@ overrides:
   Any option below as key.sub=value (YAML values: 3, 1e-3, true, [a, b], {save: [x]}), e.g.
     python -m train --config configs/debug.yaml train.steps=50 optim.lr=3e-3 mesh.fsdp=2
 
-exit codes: 0 done (or stopped by --stop-after, or already complete), 1 anything else (a bug
-  or an environment failure: the traceback is printed), 2 invalid config or arguments, or a
-  config that does not fit the data, devices or machine, 3 non-finite loss (the message names
-  the step), 4 checkpoint problem (none verifies, it does not fit the config, a save failed,
-  or the config changed since the run started; never a silent start from step 0 in a run
-  directory that held a checkpoint), 5 the run directory is locked by another process, 6 the
-  storage failed while a checkpoint was read (nothing set aside: rerun when it is back), 128+N
-  stopped by signal N after saving a checkpoint. With several processes, all exit with the
-  same code.
+exit codes: 0 done (or stopped by --stop-after, or already complete), 1 anything else (a bug or
+  an environment failure: the traceback is printed), 2 invalid config or arguments, or a config
+  that does not fit the data, devices or machine, 3 non-finite loss, or a reversible layer whose
+  rebuilt input drifted (the message names the step), 4 checkpoint problem (none verifies, it
+  does not fit the config, a save failed, or the config changed since the run started; never a
+  silent start from step 0 in a run directory that held a checkpoint), 5 the run directory is
+  locked by another process, 6 the storage failed while a checkpoint was read (nothing set
+  aside: rerun when it is back), 128+N stopped by signal N after saving a checkpoint. With
+  several processes, all exit with the same code.
 
 fault injection (tests): REMAT_NN_FAULT=<point>@<step>, see train/faults.py.
 

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointUnavailableError",
     "ConfigChangedError",
     "DonationError",
+    "DriftError",
     "NonFiniteError",
     "RunLockedError",
     "SetupError",
@@ -42,6 +43,18 @@ class NonFiniteError(TrainError, RuntimeError):
     kept. Fix: lower ``optim.lr``, add ``optim.clip_norm``, warm up longer, or set
     ``train.on_nonfinite=skip`` to drop the bad updates. Also raised by ``skip`` after
     ``max_consecutive_skips`` bad steps in a row.
+    """
+
+    exit_code = 3
+
+
+class DriftError(TrainError, RuntimeError):
+    """A reversible stack's rebuilt activation drifted past its tolerance in a step, with the
+    model's drift fallback ``"error"`` (exit 3, like a non-finite step: the gradient is wrong).
+
+    Nothing from that step is saved: the last checkpoint was written before it. Fix (the
+    message names the options): anchors (``model.options.anchor_every``), the fallback
+    ``"recompute"``, or no reversible layers.
     """
 
     exit_code = 3

@@ -42,6 +42,7 @@ from train.dry_run import dry_run_report
 from train.errors import (
     CheckpointError,
     ConfigChangedError,
+    DriftError,
     NonFiniteError,
     RunLockedError,
     SetupError,
@@ -124,6 +125,7 @@ def run(
 
     Raises:
       NonFiniteError: a NaN/Inf loss with ``train.on_nonfinite=halt`` (or too many skips).
+      DriftError: a reversible layer's rebuilt input drifted with ``drift_fallback: error``.
       CheckpointError: no checkpoint verifies, one does not fit the config, or a save failed.
       ConfigChangedError: the config changed since the checkpoints were written.
       RunLockedError: another process trains into the same run directory.
@@ -216,6 +218,7 @@ class _StepMetrics:
         self.pending: list[dict[str, jax.Array]] = []  # device metrics since the last drain
         self.window: list[dict[str, float]] = []  # finite host metrics since the last log line
         self.skipped = self.consecutive_skips = 0
+        self.recomputed = 0  # reversible layers recomputed by drift_fallback=recompute (total)
         self.lr = float("nan")  # lr of the latest drained step
 
     def drain(self, step: int, *, last_good: str) -> None:
@@ -223,12 +226,15 @@ class _StepMetrics:
 
         Raises:
           NonFiniteError: a non-finite step with ``halt``, or too many skipped in a row.
+          DriftError: a step whose reversible layers failed their drift check.
         """
         host = jax.device_get(self.pending)
         self.pending.clear()
         if host:
             self.lr = float(host[-1]["lr"])
         for i, m in enumerate(host):
+            _refuse_drifted(m, step - len(host) + i + 1, last_good)
+            self.recomputed += int(m.get("drift_recomputed", 0))
             if bool(m["finite"]):
                 self.consecutive_skips = 0
                 self.window.append({k: float(v) for k, v in m.items()})
@@ -253,6 +259,21 @@ class _StepMetrics:
     def mean(self, key: str) -> float:
         # Mean over the finite steps of the window; NaN if every step was skipped.
         return float(np.mean([r[key] for r in self.window])) if self.window else float("nan")
+
+
+def _refuse_drifted(metrics: dict[str, np.ndarray], step: int, last_good: str) -> None:
+    """Raises :class:`DriftError` if step ``step``'s reversible layers failed their drift check
+    (``drift_failed``: how many stacks did, see :func:`remat_nn.report_drift_to`)."""
+    failed = int(metrics.get("drift_failed", 0))
+    if failed:
+        raise DriftError(
+            f"step {step}: in {failed} reversible stack(s) a layer's input, rebuilt by the "
+            "backward pass, drifted past its tolerance (drift_rtol), so the gradient would be "
+            f"wrong. Halted without saving; the last good checkpoint is {last_good}. Fix: "
+            "model.options.drift_fallback=recompute (recompute a drifted layer's input from the "
+            "nearest kept value), anchors or normalized branches (model.options), or "
+            "model.options.reversible=false where the model has it."
+        )
 
 
 def evaluate(exp: Experiment, state: TrainState) -> dict[str, float]:
@@ -416,6 +437,7 @@ class _Session:
             "examples_per_sec": rate * exp.global_batch,
             "epoch": self.batches.epoch,
             "skipped": metrics.skipped,
+            **({"drift_recomputed": metrics.recomputed} if metrics.recomputed else {}),
         }
         metrics.window.clear()
         self.t_log, self.step_log = now, step
@@ -426,6 +448,7 @@ class _Session:
             + f"lr {line['lr']:.3g} | {rate:.2f} steps/s | "
             f"{rate * exp.global_batch:.0f} ex/s"
             + (f" | skipped {metrics.skipped}" if metrics.skipped else "")
+            + (f" | recomputed {metrics.recomputed} layers" if metrics.recomputed else "")
         )
         self.bar.set_postfix(
             loss=f"{line['loss']:.3f}",

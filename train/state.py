@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import remat_nn as rn
 from train import losses as losses_lib
 from train.config import Optim
 
@@ -289,8 +290,11 @@ def accumulated_value_and_grad(loss_fn: Callable, k: int) -> Callable:
     return accumulated
 
 
-#: The train step's own metrics; the loss function's join them.
-STEP_METRICS = ("loss", "grad_norm", "lr", "finite")
+#: The train step's own metrics; the loss function's join them. A model with checked
+#: reversible layers adds :data:`remat_nn.DRIFT_REPORT_FIELDS` (stacks whose check failed,
+#: layers recomputed), reported through a probe's cotangent (:func:`remat_nn.report_drift_to`),
+#: so that the step holds no host callback and JAX's persistent compilation cache keeps it.
+STEP_METRICS = ("loss", "grad_norm", "lr", "finite", *rn.DRIFT_REPORT_FIELDS)
 
 
 def make_train_step(
@@ -316,12 +320,22 @@ def make_train_step(
     loss_fn = make_loss_fn(
         model, compute_dtype=compute_dtype, has_batch_stats=has_batch_stats, loss=loss
     )
-    grad_fn = accumulated_value_and_grad(loss_fn, grad_accum)
+    reported: list[bool] = []  # per trace of the loss: did a checked stack take the probe?
+
+    def probed_loss(params_and_probe, batch_stats, batch, key):
+        params, probe = params_and_probe
+        with rn.report_drift_to(probe) as sink:
+            out = loss_fn(params, batch_stats, batch, key)
+        reported.append(sink.used)
+        return out
+
+    grad_fn = accumulated_value_and_grad(probed_loss, grad_accum)
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-        (loss, (loss_metrics, batch_stats)), grads = grad_fn(
-            state.params, state.batch_stats, batch, key
+        probe = jnp.zeros((len(rn.DRIFT_REPORT_FIELDS),), jnp.float32)
+        (loss, (loss_metrics, batch_stats)), (grads, drift) = grad_fn(
+            (state.params, probe), state.batch_stats, batch, key
         )
         if clash := sorted(set(loss_metrics) & set(STEP_METRICS)):
             raise ValueError(
@@ -354,6 +368,8 @@ def make_train_step(
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "finite": finite,
         }
+        if any(reported):  # the counts, summed over micro-batches (grad_fn took their mean)
+            metrics.update(zip(rn.DRIFT_REPORT_FIELDS, drift * grad_accum, strict=True))
         return new_state, metrics
 
     return step

@@ -420,9 +420,10 @@ def _cnn_cfg(config, path, *overrides):
 @pytest.mark.parametrize(
     "config, options",
     [
-        # The drift check off: its host callback keeps a step out of JAX's persistent
-        # compilation cache, and the four runs compile the same two steps (what is resumed is
-        # the subject, not the check: test_revnet_cli_run_updates_in_the_backward runs it).
+        # The drift check off: the fused step's check reports by host callback, which keeps
+        # it out of JAX's persistent compilation cache, and the four runs compile the same two
+        # steps (what is resumed is the subject, not the check:
+        # test_revnet_cli_run_updates_in_the_backward runs it).
         ("revnet", ["model.options.drift_fallback=none"]),
         ("resnet", ["model.options.scan_units=true"]),
         # (the NNX RevNet's width is channels, not a scale)

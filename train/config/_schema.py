@@ -338,9 +338,9 @@ class Train(_Section):
     compile_cache: str | None = safe_field(
         "~/.cache/remat_nn/jax",
         description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
-        "XLA compilation of what JAX can store: not a training step with run-time drift checks "
-        "(reversible layers, rn.invertible), whose host callbacks JAX never stores, so that "
-        "step compiles on every run; ~ is the user's home, a relative path the working "
+        "XLA compilation of what JAX can store: every program but one with host callbacks, "
+        "which JAX never stores (the fused update's drift checks, train.update_in_backward: "
+        "that step compiles on every run); ~ is the user's home, a relative path the working "
         "directory's (null: off)",
     )
 
