@@ -365,6 +365,7 @@ def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
         return jax.tree.map(jnp.subtract, params, new)
 
     kw = {"inverse_fn": linear_uncoupling, "drift_rtol": 2.4e-5}  # a tight check
+    rn.drift_recomputes(reset=True)
     grads = {f: update(**kw, fallback=f) for f in ("none", "recompute")}
     with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError: fused_update_step"):
         update(inverse_fn=linear_uncoupling)  # the default, fallback="error"
@@ -374,8 +375,12 @@ def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
     own = float(rn.relative_error(jax.grad(loss)(params, x), exact))
     err = {f: float(rn.relative_error(g, exact)) for f, g in grads.items()}
     print(f"float32 vs float64: plain autodiff {own:.3g}, rebuilt {err}")
-    assert err["none"] > 1000 * own  # reconstruction alone: the drift is the gradient's error
+    # Reconstruction alone ("none") is printed, not asserted: how far it drifts is XLA's
+    # rounding, which differs by CPU model (1e-1 and more on most; on an AMD EPYC the program
+    # without the check rebuilt every input bit for bit). The check measured the drift above
+    # (fallback="error" refused), and the recomputed gradient is as close as autodiff's.
     assert err["recompute"] < 100 * own
+    assert rn.drift_recomputes()
 
 
 @pytest.mark.parametrize(
