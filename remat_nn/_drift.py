@@ -116,7 +116,9 @@ def drift_recomputes(*, reset: bool = False) -> dict[str, int]:
     return counts
 
 
-#: What a drift probe's cotangent counts, by position (:func:`report_drift_to`).
+#: What a drift probe's cotangent counts, by position (:func:`report_drift_to`): failed checks
+#: (a reversible stack's, once however many of its layers drifted; the fused update's, per
+#: layer) and recomputed layers. (``fused_update_step(report_drift=True)`` reports the same.)
 REPORT_FIELDS = ("drift_failed", "drift_recomputed")
 
 

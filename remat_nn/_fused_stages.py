@@ -36,8 +36,10 @@ from remat_nn._fused_update import (
     _segments,
     _stack_norm,
     check_clip_norm,
+    check_report_drift,
     check_save_every,
     drift_check,
+    drift_report,
 )
 from remat_nn._tie import tie, zero_after
 
@@ -94,6 +96,7 @@ def fused_update_stages(
     has_aux: bool = False,
     norms: bool = False,
     clip_norm: float | None = None,
+    report_drift: bool = False,
 ) -> Callable[[Any, Any, Any, Any], tuple[Any, ...]]:
     """A train step over several stacks of layers that updates each layer in the backward pass.
 
@@ -122,6 +125,9 @@ def fused_update_stages(
       norms: also return ``{"grad_norm", "update_norm"}``.
       clip_norm: clip the gradient by its global norm (a first backward pass computes it), as
         in :func:`remat_nn.fused_update_step`.
+      report_drift: with ``norms``, the stages' drift checks report in the norms' dict
+        (``drift_failed``, ``drift_recomputed``, summed over the stages) and raise nothing,
+        as in :func:`remat_nn.fused_update_step`.
 
     Returns:
       ``step(params, opt_state, state, batch) -> (params, opt_state, state, loss)`` (and the
@@ -154,6 +160,7 @@ def fused_update_stages(
     """
     stages = tuple(stages)
     keys = _check_stages(stages, clip_norm)
+    check_report_drift(report_drift, norms, "fused_update_stages")
     whole = _Keys(keys)
     checked: list[bool] = []
 
@@ -166,7 +173,7 @@ def fused_update_stages(
         stacks, rest = whole.parts(params)
         consts = {k: state.get(k, {}) for k in keys}
         h, tape, new_consts, rest_state = _forward(
-            embed_fn, stages, rest, stacks, consts, state, batch
+            embed_fn, stages, rest, stacks, consts, state, batch, report_drift
         )
         out, head_vjp, (aux, rest_state) = jax.vjp(
             partial(_head, head_fn, has_aux, rest_state, batch), rest, h, has_aux=True
@@ -177,7 +184,7 @@ def fused_update_stages(
             g_norm = _global_norm(stages, tape, stacks, consts, dh, g_head)
             clip = partial(_clipped, g_norm=g_norm, max_norm=clip_norm)
         split = _split(opt_state, params, whole)
-        stacks, halves, g_rest, sq = _backward(
+        stacks, halves, g_rest, sq, drift = _backward(
             optimizer, split, stages, tape, stacks, consts, dh, g_head, clip
         )
         g_rest = g_rest if clip is None else clip(g_rest)
@@ -189,7 +196,8 @@ def fused_update_stages(
             return (*new, value)
         sq = jax.tree.map(jnp.add, sq, sq_rest)
         grad_norm = jnp.sqrt(sq[0]) if clip_norm is None else g_norm
-        return (*new, value, {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])})
+        out = {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])}
+        return (*new, value, {**out, **drift_report(report_drift, drift)})
 
     return step
 
@@ -275,9 +283,10 @@ def _forward(
     consts: dict[str, Any],
     state: Any,
     batch: Any,
+    report: bool = False,
 ) -> tuple[Any, _Tape, dict[str, Any], Any]:
     """The forward pass: the last stack's output, the tape the backward walks, the stacks' new
-    state and the rest's new state."""
+    state and the rest's new state; ``report``: the drift checks report (``report_drift``)."""
     rest_state = {k: v for k, v in state.items() if k not in stacks}
     embed = lambda r: embed_fn(r, rest_state, batch)  # noqa: E731
     h, embed_vjp, rest_state = jax.vjp(embed, rest, has_aux=True)
@@ -289,7 +298,7 @@ def _forward(
             h, vjp, rest_state = jax.vjp(before, rest, h, has_aux=True)
             before_vjp = partial(_tied, vjp, rest)
         h, source, new_consts[stage.key] = _stack_forward(
-            stage, stacks[stage.key], consts[stage.key], h
+            stage, stacks[stage.key], consts[stage.key], h, report
         )
         per_stage.append((before_vjp, source))
     return h, (embed_vjp, per_stage), new_consts, rest_state
@@ -311,7 +320,9 @@ def _head(
     return (out[0], (out[1], state)) if has_aux else (out, (None, state))
 
 
-def _stack_forward(stage: FusedStage, stack: Any, consts: Any, h0: Any) -> tuple[Any, _Inputs, Any]:
+def _stack_forward(
+    stage: FusedStage, stack: Any, consts: Any, h0: Any, report: bool = False
+) -> tuple[Any, _Inputs, Any]:
     """One stack's forward scan: its output, its layers' inputs (saved unless the backward
     rebuilds them; every ``save_every``-th only) and the layers' new state."""
     if stage.save_every is not None:
@@ -332,7 +343,7 @@ def _stack_forward(stage: FusedStage, stack: Any, consts: Any, h0: Any) -> tuple
 
     check = None
     if sketch:
-        check = drift_check(stage.fallback, stage.drift_rtol, inputs, h0, rerun, stack)
+        check = drift_check(stage.fallback, stage.drift_rtol, inputs, h0, rerun, stack, report)
     return h_last, _Inputs(None, h_last, stage.inverse, stage.backward, check), new_consts
 
 
@@ -394,15 +405,15 @@ def _backward(
     dh: Any,
     g_head: Any,
     clip: Callable[[Any], Any] | None,
-) -> tuple[dict[str, Any], list[Any], Any, tuple[jax.Array, jax.Array]]:
+) -> tuple[dict[str, Any], list[Any], Any, tuple[jax.Array, jax.Array], list[Any]]:
     """The backward pass updating each stack per layer: the new stacks, the optimizer state's
-    new stack halves (per mirror node, ``{key: stack}``), the rest's gradient, and the stacks'
-    squared norms of the gradient and the update."""
-    new_stacks, halves, sq = {}, {}, []
+    new stack halves (per mirror node, ``{key: stack}``), the rest's gradient, the stacks'
+    squared norms of the gradient and the update, and each stack's drift counts (or None)."""
+    new_stacks, halves, sq, drift = {}, {}, [], []
 
     def through_stack(k: int, source: _Inputs, dh: Any) -> Any:
         key, layout = stages[k].key, _Layout(stages[k].key)
-        new_stacks[key], halves[key], dh, sq_k = _backward_update(
+        new_stacks[key], halves[key], dh, sq_k, drift_k = _backward_update(
             stages[k].layer,
             tx,
             split,
@@ -415,10 +426,11 @@ def _backward(
             consts=consts[key],
         )
         sq.append(sq_k)
+        drift.append(drift_k)
         return dh
 
     g_rest = _walk(tape, dh, g_head, through_stack)
     per_mirror = [dict(zip(halves, h, strict=True)) for h in zip(*halves.values(), strict=True)]
     zero = jnp.zeros((), jnp.result_type(float))
     total = jax.tree.map(lambda *x: sum(x, zero), *sq)
-    return new_stacks, per_mirror, g_rest, total
+    return new_stacks, per_mirror, g_rest, total, drift

@@ -61,6 +61,7 @@ def fused_update_step(
     clip_norm: float | None = None,
     drift_rtol: float | None = None,
     fallback: str = "error",
+    report_drift: bool = False,
 ) -> Callable[[Any, Any, Any], tuple[Any, ...]]:
     """A train step that updates each layer of a stack as soon as its gradient is known.
 
@@ -122,6 +123,13 @@ def fused_update_step(
         (``"error"``, default), or is recomputed forward from the stack's input (kept for this)
         and its VJP taken there (``"recompute"``: XLA then reserves the recompute branch's
         buffers too); ``"none"`` checks nothing.
+      report_drift: with ``norms``, the checks raise nothing and call nothing on the host:
+        the norms' dict also holds ``drift_failed`` (layers whose check failed, with
+        ``"error"``: the caller must refuse the step, whose update is already taken) and
+        ``drift_recomputed`` (layers recomputed), float32 counts. A step without host
+        callbacks is one JAX's persistent compilation cache can store (``python -m train``
+        reports so). ``False``: a failed check raises, recomputes are counted by
+        :func:`remat_nn.drift_recomputes`.
 
     Returns:
       ``step(params, opt_state, batch) -> (new_params, new_opt_state, loss)``, loss before the
@@ -146,6 +154,7 @@ def fused_update_step(
     """
     _check_options(inverse_fn, backward_fn, save_every, clip_norm)
     _drift.validate("fused_update_step", fallback, drift_rtol)
+    check_report_drift(report_drift, norms, "fused_update_step")
     layout = _Layout(stack_key)
     checked: list[bool] = []
 
@@ -161,7 +170,7 @@ def fused_update_step(
         if save_every is not None:
             h_last, source, _ = _segments(layer_fn, h0, stack, save_every)
         else:
-            rebuild = (inverse_fn, backward_fn, fallback, drift_rtol)
+            rebuild = (inverse_fn, backward_fn, fallback, drift_rtol, report_drift)
             h_last, source = _forward(layer_fn, h0, stack, *rebuild)
         if has_aux:
             out, head_vjp, aux = jax.vjp(
@@ -176,7 +185,7 @@ def fused_update_step(
             g_norm = _gradient_norm(layer_fn, stack, source, dh, embed_vjp, g_rest)
             clip = partial(_clipped, g_norm=g_norm, max_norm=clip_norm)
         stacks = _stack_halves(split, layout)
-        stack, stacks, dh, sq = _backward_update(
+        stack, stacks, dh, sq, drift = _backward_update(
             layer_fn, optimizer, split, layout, stack, stacks, source, dh, clip
         )
         (g_embed,) = embed_vjp(dh)
@@ -189,9 +198,28 @@ def fused_update_step(
             return new
         sq = jax.tree.map(jnp.add, sq, sq_rest)
         grad_norm = jnp.sqrt(sq[0]) if clip_norm is None else g_norm
-        return (*new, {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])})
+        out = {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sq[1])}
+        return (*new, {**out, **drift_report(report_drift, [drift])})
 
     return step
+
+
+def check_report_drift(report_drift: Any, norms: Any, where: str) -> None:
+    """Refuses ``report_drift`` without ``norms`` (the counts ride in the norms' dict)."""
+    if report_drift and not norms:
+        raise ValueError(
+            f"{where}: report_drift=True returns the drift counts in the norms' dict, but "
+            "norms=False returns none. Fix: norms=True with report_drift=True."
+        )
+
+
+def drift_report(report_drift: bool, counts: list[jax.Array | None]) -> dict[str, jax.Array]:
+    """The norms' dict's drift counts (:data:`remat_nn._drift.REPORT_FIELDS`): ``counts`` of
+    every checked stack summed (zeros if no stack is checked); empty without ``report_drift``."""
+    if not report_drift:
+        return {}
+    total = sum((c for c in counts if c is not None), _drift.counts(0, 0))
+    return dict(zip(_drift.REPORT_FIELDS, total, strict=True))
 
 
 def _check_options(inverse_fn: Any, backward_fn: Any, save_every: Any, clip_norm: Any) -> None:
@@ -283,15 +311,16 @@ class _Inputs:
         carry: Any,
         dh: Any,
         i: jax.Array,
-    ) -> tuple[Any, Any, Any]:
-        """``(layer i's gradient, its input's cotangent, the carry for layer i - 1)``."""
+    ) -> tuple[tuple[Any, Any, Any], jax.Array | None]:
+        """``((layer i's gradient, its input's cotangent, the carry for layer i - 1), counts)``;
+        ``counts``: the drift check's (:meth:`DriftCheck.verify`), or None."""
         if self.check is not None:
             rebuilt = _Inputs(self.saved, self.carry, self.inverse_fn, self.backward_fn)
-            out = rebuilt.vjp(layer_fn, stack, layer, carry, dh, i)
+            out, _ = rebuilt.vjp(layer_fn, stack, layer, carry, dh, i)
             return self.check.verify(layer_fn, stack, layer, dh, i, out)
         if self.backward_fn is not None:
             h, grad, dh = self.backward_fn(layer, carry, dh)
-            return grad, dh, h
+            return (grad, dh, h), None
         h, carry = self.input(stack, layer, carry, i)
         _, layer_vjp = jax.vjp(layer_fn, layer, h)
         # The layer's forward (its residuals) finishes before its backward starts. Else XLA
@@ -301,7 +330,7 @@ class _Inputs:
         # the models hand a layer under `full` over plain (models._spec.fused_unit_plan).
         dh, layer_vjp = _named_axes.optimization_barrier((dh, layer_vjp))
         grad, dh = layer_vjp(dh)
-        return grad, dh, carry
+        return (grad, dh, carry), None
 
 
 def _recomputed(layer: Any) -> None:
@@ -320,31 +349,50 @@ class DriftCheck:
     input (``(L, k + 2)``, :mod:`remat_nn._drift`), the stack's input ``start`` (kept for
     recomputes), ``rerun(stack, j, h)``: layer ``j`` on ``h`` as the forward ran it."""
 
-    def __init__(self, sketches: Any, start: Any, rerun: Callable, fallback: str, rtol: float):
+    def __init__(
+        self,
+        sketches: Any,
+        start: Any,
+        rerun: Callable,
+        fallback: str,
+        rtol: float,
+        report: bool = False,
+    ):
         self.sketches, self.start, self.rerun = sketches, start, rerun
-        self.fallback, self.rtol = fallback, rtol
+        self.fallback, self.rtol, self.report = fallback, rtol, report
 
     def verify(self, layer_fn, stack, layer, dy, i, rebuilt):
-        """``rebuilt`` = ``(grad, dh, h)`` of layer ``i`` if its input ``h`` passes; else
-        recomputed from ``start`` (its VJP taken there), or an error."""
+        """``(rebuilt, counts)``: ``rebuilt`` = ``(grad, dh, h)`` of layer ``i`` if its input
+        ``h`` passes; else recomputed from ``start`` (its VJP taken there), or an error. With
+        ``report``, no error: ``counts`` (:func:`remat_nn._drift.counts`) says it; else None."""
         drift = _drift.drift(rebuilt[2], _read(self.sketches, i))
         bad = ~(drift <= self.rtol)
         if self.fallback == "error":
+            if self.report:
+                return rebuilt, _drift.counts(bad, 0)
             _drift.refuse_if(bad, _DRIFTED, i, drift, self.rtol)
-            return rebuilt
+            return rebuilt, None
 
         def recompute(stack, layer, dy, i, start):
-            jax.debug.callback(_recomputed, i)
+            if not self.report:
+                jax.debug.callback(_recomputed, i)
             rerun = lambda j, h: self.rerun(stack, j, h)  # noqa: E731
             h = _drift.replay(rerun, start, _depth(stack), i)
             grad, dh = jax.vjp(layer_fn, layer, h)[1](dy)
             return grad, dh, h
 
-        return _drift.when(bad, recompute, (stack, layer, dy, i, self.start), rebuilt)
+        out = _drift.when(bad, recompute, (stack, layer, dy, i, self.start), rebuilt)
+        return out, (_drift.counts(0, bad) if self.report else None)
 
 
 def drift_check(
-    fallback: str, rtol: float | None, sketches: Any, start: Any, rerun: Callable, stack: Any
+    fallback: str,
+    rtol: float | None,
+    sketches: Any,
+    start: Any,
+    rerun: Callable,
+    stack: Any,
+    report: bool = False,
 ) -> DriftCheck | None:
     """The :class:`DriftCheck` of a rebuilt stack, or None for ``fallback="none"``. The default
     tolerance reads the dtypes layer 0 computes in, as :func:`remat_nn.reversible_scan`'s."""
@@ -353,7 +401,7 @@ def drift_check(
     if rtol is None:
         computes = _drift.float_dtypes(jax.make_jaxpr(rerun)(stack, 0, start).jaxpr)
         rtol = _drift.default_rtol(start, computes)
-    return DriftCheck(sketches, start, rerun, fallback, float(rtol))
+    return DriftCheck(sketches, start, rerun, fallback, float(rtol), report)
 
 
 class _Segments(_Inputs):
@@ -433,8 +481,10 @@ def _backward_update(
     dh: Any,
     clip: Callable[[Any], Any] | None = None,
     consts: Any = None,
-) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array]]:
+) -> tuple[Any, list[Any], Any, tuple[jax.Array, jax.Array], jax.Array | None]:
     """Reverse scan carrying the parameter stack and the state's stack halves, updated per slice.
+    Returns them, the input's cotangent, the squared norms and the drift counts of a check
+    that reports (:class:`DriftCheck`; summed over the layers), else None.
 
     Also carries the squared norms of the gradients and of the updates taken so far, and the
     input source's carry: a reversible layer's output (the next input is rebuilt from it), or
@@ -442,20 +492,23 @@ def _backward_update(
     non-trainable state, stacked), the layer functions take layer ``i``'s slice of it.
     """
 
+    reports = source.check is not None and source.check.report
+
     def body(carry: Any, i: jax.Array) -> Any:
-        stack, stacks, dh, sq, y = carry
+        stack, stacks, dh, sq, y, counts = carry
         fn, src = _layer_at(layer_fn, source, consts, i)
-        grad, dh, y = src.vjp(fn, stack, _read(stack, i), y, dh, i)
+        (grad, dh, y), counts_i = src.vjp(fn, stack, _read(stack, i), y, dh, i)
         grad = grad if clip is None else clip(grad)
         stack, stacks, sq_i, (dh, y) = _update_slice(
             tx, split, layout, stack, stacks, grad, i, after=(dh, y)
         )
-        return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y), None
+        counts = counts if counts_i is None else counts + counts_i
+        return (stack, stacks, dh, jax.tree.map(jnp.add, sq, sq_i), y, counts), None
 
     zero = jnp.zeros((), jnp.result_type(float))
-    init = (stack, stacks, dh, (zero, zero), source.carry)
-    stack, stacks, dh, sq, _ = _reverse_over_layers(body, init, stack)
-    return stack, stacks, dh, sq
+    init = (stack, stacks, dh, (zero, zero), source.carry, _drift.counts(0, 0) if reports else None)
+    stack, stacks, dh, sq, _, counts = _reverse_over_layers(body, init, stack)
+    return stack, stacks, dh, sq, counts
 
 
 def _layer_at(
@@ -495,7 +548,7 @@ def _stack_norm(
     def body(carry: Any, i: jax.Array) -> Any:
         dh, sq, y = carry
         fn, src = _layer_at(layer_fn, source, consts, i)
-        grad, dh, y = src.vjp(fn, stack, _read(stack, i), y, dh, i)
+        (grad, dh, y), _ = src.vjp(fn, stack, _read(stack, i), y, dh, i)
         return (dh, sq + _squared_norm(grad), y), None
 
     zero = jnp.zeros((), jnp.result_type(float))
@@ -519,6 +572,7 @@ def _forward(
     backward_fn: Callable[[Any, Any, Any], tuple[Any, Any, Any]] | None,
     fallback: str = "none",
     drift_rtol: float | None = None,
+    report: bool = False,
 ) -> tuple[Any, _Inputs]:
     """The forward scan, saving every layer's input unless the backward rebuilds them (then a
     sketch of each, for the drift check)."""
@@ -533,7 +587,7 @@ def _forward(
     if not rebuilds:
         return h_last, _Inputs(inputs, None, None, None)
     rerun = lambda stack, j, h: layer_fn(_read(stack, j), h)  # noqa: E731
-    check = drift_check(fallback, drift_rtol, inputs, h0, rerun, stack) if sketch else None
+    check = drift_check(fallback, drift_rtol, inputs, h0, rerun, stack, report) if sketch else None
     return h_last, _Inputs(None, h_last, inverse_fn, backward_fn, check)
 
 

@@ -147,6 +147,9 @@ def make_fused_train_step(
             "grad_norm": norms["grad_norm"],
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "finite": finite & jnp.isfinite(norms["update_norm"]),
+            # The drift checks' counts (zeros without a checked stack; the loop refuses a
+            # failed check before anything of the step is saved).
+            **{k: norms[k] for k in rn.DRIFT_REPORT_FIELDS},
         }
         return new_state, metrics
 
@@ -207,6 +210,7 @@ def _stack_step(
         stack_key=parts.key,
         has_aux=True,
         norms=True,
+        report_drift=True,  # in the metrics: no host callback, the step is cached
         backward_fn=parts.backward and _cast_backward(parts.backward, compute_dtype),
         save_every=parts.save_every,
         fallback=parts.fallback,
@@ -257,5 +261,6 @@ def _stages_step(
         tx,
         has_aux=True,
         norms=True,
+        report_drift=True,  # in the metrics: no host callback, the step is cached
         clip_norm=clip_norm,
     )

@@ -263,13 +263,13 @@ class _StepMetrics:
 
 def _refuse_drifted(metrics: dict[str, np.ndarray], step: int, last_good: str) -> None:
     """Raises :class:`DriftError` if step ``step``'s reversible layers failed their drift check
-    (``drift_failed``: how many stacks did, see :func:`remat_nn.report_drift_to`)."""
+    (``drift_failed``: how many checks did, see :func:`remat_nn.report_drift_to`)."""
     failed = int(metrics.get("drift_failed", 0))
     if failed:
         raise DriftError(
-            f"step {step}: in {failed} reversible stack(s) a layer's input, rebuilt by the "
-            "backward pass, drifted past its tolerance (drift_rtol), so the gradient would be "
-            f"wrong. Halted without saving; the last good checkpoint is {last_good}. Fix: "
+            f"step {step}: {failed} drift check(s) failed: a layer input a reversible stack's "
+            "backward pass rebuilt drifted past its tolerance (drift_rtol), so the gradient "
+            f"would be wrong. Halted without saving; the last good checkpoint is {last_good}. Fix: "
             "model.options.drift_fallback=recompute (recompute a drifted layer's input from the "
             "nearest kept value), anchors or normalized branches (model.options), or "
             "model.options.reversible=false where the model has it."

@@ -383,6 +383,41 @@ def test_a_growing_rebuilt_stack_is_recomputed_not_silently_wrong():
     assert rn.drift_recomputes()
 
 
+@pytest.mark.parametrize("fallback", ["error", "recompute"])
+def test_report_drift_counts_in_the_norms_what_the_host_callbacks_report(fallback):
+    # The growing stack above: with report_drift, a failed check raises nothing and calls
+    # nothing on the host (so JAX's persistent cache can keep the step); the norms' dict
+    # counts the failed checks (per layer) and the recomputed layers.
+    tx = optax.sgd(1.0)
+    params, x = make_reversible(jnp.float32, length=24)
+    params = (jax.tree.map(lambda w: 2.0 * w, params[0]), params[1])
+    kw = dict(inverse_fn=linear_uncoupling, drift_rtol=2.4e-5, fallback=fallback, norms=True)
+    host = rn.fused_update_step(split_embed, linear_coupling, merged_head, tx, **kw)
+    reporting = rn.fused_update_step(
+        split_embed, linear_coupling, merged_head, tx, **kw, report_drift=True
+    )
+    args = (params, tx.init(params), x)
+    assert "callback" in jax.jit(host).lower(*args).as_text()
+    assert "callback" not in jax.jit(reporting).lower(*args).as_text()
+    new = jax.jit(reporting)(*args)
+    norms = {k: float(new[3][k]) for k in rn.DRIFT_REPORT_FIELDS}
+    rn.drift_recomputes(reset=True)
+    if fallback == "error":
+        with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError"):
+            jax.block_until_ready(jax.jit(host)(*args))
+        assert norms["drift_failed"] >= 1 and norms["drift_recomputed"] == 0
+        return
+    want = jax.jit(host)(*args)
+    recomputed = sum(rn.drift_recomputes().values())
+    print(f"host: {recomputed} recomputed; reported {norms}")
+    assert recomputed > 0 and norms["drift_failed"] == 0
+    # (two programs may round a layer at the tolerance to either side of it)
+    assert abs(norms["drift_recomputed"] - recomputed) <= max(1, recomputed // 4)
+    assert float(rn.relative_error(new[0], want[0])) < 1e-3
+    with pytest.raises(ValueError, match="norms=True with report_drift=True"):
+        rn.fused_update_step(split_embed, linear_coupling, merged_head, tx, report_drift=True)
+
+
 @pytest.mark.parametrize(
     ("off", "dtype", "refused"),
     [(1e-4, jnp.float32, False), (5e-4, jnp.float32, True), (2e-2, jnp.bfloat16, False)],

@@ -117,7 +117,7 @@ def test_the_loop_halts_on_a_failed_check_naming_the_step_and_counts_recomputes(
     with pytest.raises(DriftError) as e:
         metrics.drain(14, last_good="step 10")
     text = str(e.value)
-    assert text.startswith("step 14: in 1 reversible stack(s)")
+    assert text.startswith("step 14: 1 drift check(s) failed")
     assert "last good checkpoint is step 10" in text and "drift_fallback=recompute" in text
     assert DriftError.exit_code == 3
 

@@ -420,14 +420,12 @@ def _cnn_cfg(config, path, *overrides):
 @pytest.mark.parametrize(
     "config, options",
     [
-        # The drift check off: the fused step's check reports by host callback, which keeps
-        # it out of JAX's persistent compilation cache, and the four runs compile the same two
-        # steps (what is resumed is the subject, not the check:
-        # test_revnet_cli_run_updates_in_the_backward runs it).
-        ("revnet", ["model.options.drift_fallback=none"]),
+        # With the default drift check: it reports in the steps' metrics, so JAX's persistent
+        # compilation cache keeps both steps and the four runs compile each once.
+        ("revnet", []),
         ("resnet", ["model.options.scan_units=true"]),
         # (the NNX RevNet's width is channels, not a scale)
-        ("nnx_revnet", ["model.options.width=4", "model.options.drift_fallback=none"]),
+        ("nnx_revnet", ["model.options.width=4"]),
     ],
     ids=["revnet", "resnet", "nnx_revnet"],
 )
@@ -561,14 +559,17 @@ def _family_model(family: str, fallback: str):
 def test_the_models_drift_fallback_is_what_the_fused_step_runs(family, fallback, monkeypatch):
     """``model.options.drift_fallback`` reaches ``rn.fused_update_step`` /
     ``rn.fused_update_stages`` through the model's stacks and the trainer (it once stopped at
-    both: every fused step ran the default ``"error"``, whatever the model said)."""
-    seen = []
+    both: every fused step ran the default ``"error"``, whatever the model said), and the
+    checks report in the step's metrics (``report_drift``: no host callback in the step)."""
+    seen, reported = [], []
 
     def step(*args, fallback="error", **kwargs):
         seen.append(fallback)
+        reported.append(kwargs.get("report_drift"))
 
     def stages(embed, stages, *args, **kwargs):
         seen.extend(s.fallback for s in stages if s.backward is not None or s.inverse is not None)
+        reported.append(kwargs.get("report_drift"))
 
     monkeypatch.setattr(rn, "fused_update_step", step)
     monkeypatch.setattr(rn, "fused_update_stages", stages)
@@ -577,3 +578,4 @@ def test_the_models_drift_fallback_is_what_the_fused_step_runs(family, fallback,
     tx, schedule = state_lib.make_optimizer(Optim(), 10)
     fused_lib.make_fused_train_step(parts, tx, schedule, compute_dtype=jnp.float32)
     assert seen and set(seen) == {fallback}, seen
+    assert reported and set(reported) == {True}
