@@ -162,6 +162,8 @@ def plan_line(
     'remat plan: full (the model default)'
     >>> plan_line(RematRequest(kind="preset", preset="none", key="remat", shown="none"), "none", {})
     'remat plan: none'
+    >>> plan_line(RematRequest(), None, {})  # a model.module given no remat: its own
+    "remat plan: the module's own (remat: not set)"
     """
     if request.kind == "auto":  # the planner's plan, as its plan file holds it
         form = ""
@@ -171,5 +173,7 @@ def plan_line(
     named = next((k for k, v in presets.items() if v is not None and v == runs), None)
     name = "(the model default)" if runs is None else named or str(runs)
     if request.kind == "default":
-        return f"remat plan: {name}" + ("" if runs is None else " (the model default)")
+        if runs is None:  # nothing to name: the module remats as its own code says
+            return "remat plan: the module's own (remat: not set)"
+        return f"remat plan: {name} (the model default)"
     return f"remat plan: {request.shown}" + ("" if name == request.shown else f" -> {name}")
