@@ -338,9 +338,9 @@ class Train(_Section):
     compile_cache: str | None = safe_field(
         "~/.cache/remat_nn/jax",
         description="JAX persistent compilation cache directory, so a rerun (a resume) skips "
-        "XLA compilation (the train step's too: its drift checks report in its metrics, not by "
-        "host callbacks, which JAX never stores); ~ is the user's home, a relative path the working "
-        "directory's (null: off)",
+        "XLA compilation (the train step's too: its drift checks report in its metrics, not "
+        "by host callbacks, which JAX never stores); ~ is the user's home, a relative path "
+        "the working directory's (null: off)",
     )
 
 
