@@ -120,7 +120,7 @@ class _Check(NamedTuple):
     sketches: jax.Array  # (layers, k + 2)
     start: PyTree  # the first layer's input, kept (None unless fallback="recompute")
     offset: jax.Array | int  # the first layer's index in the whole stack
-    to_probe: bool  # recomputes are counted in the backward's result, not by a host callback
+    report: bool  # recomputes are counted in the backward's result, not by a host callback
 
 
 def _block_vjp(block: ReversibleBlock, p, c, y, dy):
@@ -172,7 +172,7 @@ def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
         return rebuilt, bad, drift
 
     def recompute(params, consts, start, i, layer, p, c, dy):
-        if not check.to_probe:
+        if not check.report:
             jax.debug.callback(_recomputed, layer)
         x = _recompute(block, params, consts, start, i)
         return (x, *_vjp_at(block, p, c, x, dy))
@@ -306,7 +306,7 @@ class _Stack(NamedTuple):
     unroll: int | bool
     fallback: str
     rtol: float
-    to_probe: bool  # report to a probe's cotangent (remat_nn._drift.report_drift_to), not the host
+    report: bool  # report to a probe's cotangent (remat_nn._drift.report_drift_to), not the host
 
     @property
     def keep_starts(self) -> bool:  # the stack's input is kept for recomputes
@@ -336,7 +336,7 @@ class _Stack(NamedTuple):
 
     def backward(self, params, consts, y, starts, sketches, dy):
         """``(dx, dparams, counts)``; ``counts``: :func:`remat_nn._drift.counts` (failed
-        stacks, recomputed layers) with ``to_probe``, else None (a failed check raises)."""
+        stacks, recomputed layers) with ``report``, else None (a failed check raises)."""
         args = (params, consts, y, starts, sketches, dy)
         if self.fallback == "error":
             # Flagged in the loop and refused once at the end: a conditional per layer cost
@@ -344,7 +344,7 @@ class _Stack(NamedTuple):
             dx, dparams, (layer, drift, _) = self.backward_with(
                 *args, mode="flag", unroll=self.unroll
             )
-            if self.to_probe:
+            if self.report:
                 return dx, dparams, _drift.counts(layer >= 0, 0)
             _drift.refuse_if(layer >= 0, _DRIFTED, layer, drift, self.rtol)
             return dx, dparams, None
@@ -365,7 +365,7 @@ class _Stack(NamedTuple):
         return dx, dparams, self._counts(n)
 
     def _counts(self, recomputed: jax.Array | int) -> jax.Array | None:
-        return _drift.counts(0, recomputed) if self.to_probe else None
+        return _drift.counts(0, recomputed) if self.report else None
 
     def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):
         """``(dx, dparams, first)`` with the drift check in ``mode`` (``first``: see
@@ -374,7 +374,7 @@ class _Stack(NamedTuple):
         def check(sk, start, offset):
             if self.fallback == "none":
                 return None
-            return _Check(mode, self.rtol, sk, start, offset, self.to_probe)
+            return _Check(mode, self.rtol, sk, start, offset, self.report)
 
         block, num_segments = self.block, self.num_segments
         if num_segments == 1:

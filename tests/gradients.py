@@ -17,7 +17,7 @@ import numpy as np
 
 from remat_nn import relative_error as rel_err
 
-__all__ = ["random_variables", "rel_err"]
+__all__ = ["counts_agree", "random_variables", "rel_err"]
 
 
 def random_variables(tree, seed: int = 0, *, kernel_scale: float = 1.0):
@@ -42,3 +42,11 @@ def random_variables(tree, seed: int = 0, *, kernel_scale: float = 1.0):
         return jnp.asarray(a, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(make, tree)
+
+
+def counts_agree(got: float, want: float) -> bool:
+    """Whether two compiled programs (say, a drift check reporting by host callback and the same
+    check reporting in the program's outputs) counted the same drifted layers: they may round a
+    layer whose drift sits at the tolerance to either side of it, so within a quarter (at
+    least one)."""
+    return abs(got - want) <= max(1, want // 4)
