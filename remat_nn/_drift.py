@@ -59,6 +59,8 @@ __all__ = [
     "REPORT_FIELDS",
     "DriftSink",
     "current_sink",
+    "current_tally",
+    "default_eps",
     "default_rtol",
     "drift",
     "drift_recomputes",
@@ -69,6 +71,7 @@ __all__ = [
     "report_drift_to",
     "report_if",
     "sketch",
+    "tally",
     "validate",
     "when",
 ]
@@ -151,7 +154,9 @@ def report_drift_to(probe: jax.Array):
     (``"recompute"``) by a host callback. JAX never stores a compiled program that holds a host
     callback in its persistent compilation cache, so such a training step compiles again in
     every process. Traced inside this context, a reversible stack (:func:`remat_nn.reversible_scan`
-    and the modules over it) takes ``probe`` (float32 zeros of shape ``(2,)``, see
+    and the modules over it) and a :func:`remat_nn.invertible` function with run-time checks
+    (its failed checks and recomputed scan iterations) take ``probe`` (float32 zeros of shape
+    ``(2,)``, see
     :data:`REPORT_FIELDS`) as an input of its custom VJP and returns, as its cotangent, how many
     stacks failed their check (no error is raised: the caller must read it and refuse the
     gradient) and how many layers were recomputed. Cotangents add up, so differentiating with
@@ -174,6 +179,27 @@ def report_drift_to(probe: jax.Array):
         yield sink
     finally:
         _SINK.reset(token)
+
+
+_TALLY: contextvars.ContextVar[list | None] = contextvars.ContextVar("drift_tally", default=None)
+
+
+@contextlib.contextmanager
+def tally():
+    """Inside (a backward pass being traced), recomputes are counted in the program: a checked
+    scan appends its traced count to the yielded list (:func:`current_tally`) instead of
+    staging a host callback. For a backward that reports to a probe (:func:`report_drift_to`)."""
+    counted: list = []
+    token = _TALLY.set(counted)
+    try:
+        yield counted
+    finally:
+        _TALLY.reset(token)
+
+
+def current_tally() -> list | None:
+    """The list of the innermost :func:`tally`, or None (recomputes are counted on the host)."""
+    return _TALLY.get()
 
 
 def counts(failed: jax.Array | int, recomputed: jax.Array | int) -> jax.Array:
@@ -213,9 +239,13 @@ def default_rtol(tree: PyTree, computes: Iterable[Any] = ()) -> float:
     """:data:`EPS_MULTIPLE` times the machine epsilon of the narrowest float dtype among
     ``tree``'s and ``computes`` (the dtypes the layer that rebuilds ``tree`` computes in):
     float32 2.4e-4, float64 4.5e-13, 16-bit floats capped at 0.1."""
+    return min(EPS_MULTIPLE * default_eps(tree, computes), 0.1)
+
+
+def default_eps(tree: PyTree, computes: Iterable[Any] = ()) -> float:
+    """The machine epsilon of the narrowest float dtype among ``tree``'s and ``computes``."""
     dtypes = [jnp.result_type(a) for a in jax.tree.leaves(tree)] + list(computes)
-    eps = max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.floating))
-    return min(EPS_MULTIPLE * eps, 0.1)
+    return max(float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.floating))
 
 
 def float_dtypes(jaxpr: Any) -> set[Any]:
@@ -363,18 +393,20 @@ def replay(layer: Callable[[jax.Array, PyTree], PyTree], start: PyTree, depth: i
     return _named_axes.scan(step, start, jnp.arange(depth))[0]
 
 
-def refuse_if(bad: jax.Array, message: str, layer: Any, drift: jax.Array, rtol: float) -> None:
+def refuse_if(bad: jax.Array, message: str, layer: Any, drift: jax.Array, rtol: Any) -> None:
     """Stages a :class:`~remat_nn.NotInvertibleError` raised at run time where ``bad`` holds:
     ``message`` formatted with the ``layer``, its ``drift`` and ``rtol`` (under ``vmap``, of the
     first element that drifted). Under ``jit`` it reads first: :mod:`remat_nn._host_errors`."""
-    report_if(bad, functools.partial(_refuse, message, rtol), bad, layer, drift)
+    tol = jnp.asarray(rtol, jnp.float32)
+    report_if(bad, functools.partial(_refuse, message), bad, layer, drift, tol)
 
 
-def _refuse(message: str, rtol: float, bad: Any, layer: Any, drift: Any) -> None:
-    bad, layer, drift = (np.ravel(np.asarray(a)) for a in (bad, layer, drift))
+def _refuse(message: str, bad: Any, layer: Any, drift: Any, rtol: Any) -> None:
+    bad, layer, drift, rtol = (np.ravel(np.asarray(a)) for a in (bad, layer, drift, rtol))
     if bad.any():
         k = int(np.argmax(bad))
-        text = message.format(layer=int(layer[k % layer.size]), drift=float(drift[k]), rtol=rtol)
+        at = lambda a: a[k % a.size]  # noqa: E731 -- under vmap, the element that drifted
+        text = message.format(layer=int(at(layer)), drift=float(at(drift)), rtol=float(at(rtol)))
         raise_from_callback(NotInvertibleError(text))
 
 

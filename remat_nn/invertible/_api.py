@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters.ad import JVPTracer
 
-from remat_nn import _named_axes
+from remat_nn import _drift, _named_axes
 from remat_nn._jax_internals import core, pe
 from remat_nn.errors import NotInvertibleError
 from remat_nn.invertible import _scan_sketch, _sketch
@@ -55,6 +56,7 @@ class Traced:
     out_tree: Any
     analysis: Analysis
     run: Callable  # the custom_vjp over (consts, traced leaves)
+    reporting: Callable  # the same, with a probe last, reporting to it (report_drift_to)
 
 
 def _arg_name(path: tuple, positions: Sequence[int] | None) -> str:
@@ -150,7 +152,9 @@ def _trace(
             )
         )
     run = _as_custom_vjp(analysis, recompute=not strict)
-    return Traced(jaxpr, list(closed.consts), names, dyn_index, store["out_tree"], analysis, run)
+    reporting = _as_custom_vjp(analysis, recompute=not strict, report=True)
+    out_tree = store["out_tree"]
+    return Traced(jaxpr, list(closed.consts), names, dyn_index, out_tree, analysis, run, reporting)
 
 
 def _run_and_sketch(
@@ -223,17 +227,21 @@ def _by_value(schedule: WalkSchedule, packed: Any) -> dict:
     return out
 
 
-def _as_custom_vjp(analysis: Analysis, recompute: bool = False) -> Callable:
+def _as_custom_vjp(analysis: Analysis, recompute: bool = False, report: bool = False) -> Callable:
     """``recompute``: ``fallback="recompute"``, which also keeps each checked scan's first
-    carry and recomputes an iteration that fails a check from it (``_scan_recompute``)."""
+    carry and recomputes an iteration that fails a check from it (``_scan_recompute``).
+    ``report``: the last input is a drift probe (``remat_nn._drift.report_drift_to``) whose
+    cotangent counts [failed checks, recomputed iterations]; no host callback is staged."""
     jaxpr = analysis.jaxpr
     float_in = [is_float(v.aval) for v in jaxpr.invars]
+    split = (lambda ins: (ins[:-1], ins[-1:])) if report else (lambda ins: (ins, ()))  # noqa: E731
 
     @jax.custom_vjp
     def run(*ins):
-        return eval_jaxpr(jaxpr, ins)[0]
+        return eval_jaxpr(jaxpr, split(ins)[0])[0]
 
-    def fwd(*ins):
+    def fwd(*all_ins):
+        ins, probe = split(all_ins)
         outs, sketches = _run_and_sketch(analysis.schedule(True, False), ins, recompute)
         # Residuals: the outputs (the same buffers as the primal result), the inputs the walk
         # keeps (weights, constants, or inputs no output determines) and a few scalars per
@@ -241,24 +249,30 @@ def _as_custom_vjp(analysis: Analysis, recompute: bool = False) -> Callable:
         # fallback="recompute", a checked scan's first carry: one carry per scan).
         # (Under shard_map, also the input types, for 0 bytes: see remat_nn._named_axes.)
         kept = [ins[p] for p in analysis.kept]
-        return outs, (outs, kept, sketches, _named_axes.type_witness(list(ins)))
+        return outs, (outs, kept, sketches, _named_axes.type_witness([*ins, *probe]))
 
     def bwd(res, cts):
         outs, kept, sketches, types = res
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
-        _, in_cts, code, _ = execute(
-            analysis,
-            invals,
-            outs,
-            list(cts),
-            want_inputs=False,
-            sketches=_by_value(analysis.schedule(True, False), sketches),
-        )
+        # With report, the scans that recompute count in the program (else by host callback).
+        with _drift.tally() if report else contextlib.nullcontext([]) as recomputed:
+            _, in_cts, code, _ = execute(
+                analysis,
+                invals,
+                outs,
+                list(cts),
+                want_inputs=False,
+                sketches=_by_value(analysis.schedule(True, False), sketches),
+            )
         assert in_cts is not None  # execute returns the input cotangents when given cotangents
-        stop_on_failed_check(code, "recompute" if recompute else "error")
         in_cts = [c if f else None for c, f in zip(in_cts, float_in, strict=True)]
+        if report:  # a check that failed outside the recomputed scans: counted, not raised
+            failed = 0 if code is None else jnp.any(code != 0)
+            in_cts.append(_drift.counts(failed, sum(recomputed)))
+        else:
+            stop_on_failed_check(code, "recompute" if recompute else "error")
         return tuple(_named_axes.cotangents_like(in_cts, types))
 
     # Seen by the report. (A function's type declares no attributes: this one is set here.)
@@ -382,6 +396,8 @@ class Invertible:
             # Forward mode (jax.jvp / jacfwd / linearize) stores nothing for a backward pass:
             # f's own JVP runs (a custom_vjp has no forward mode).
             outs = eval_jaxpr(traced.analysis.jaxpr, ins)[0]
+        elif (sink := _drift.current_sink()) is not None and traced.analysis.checked:
+            outs = traced.reporting(*ins, sink.take())  # see rn.report_drift_to
         else:
             outs = traced.run(*ins)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)

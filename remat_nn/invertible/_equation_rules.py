@@ -19,7 +19,7 @@ import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 
-from remat_nn import _named_axes
+from remat_nn import _drift, _named_axes
 from remat_nn._jax_internals import (
     core,
     custom_jvp_call_p,
@@ -310,12 +310,13 @@ class ScanRule:
         sketches, measure = _scan_sketch.per_iteration(
             None if scan_errs is None else sketches, assessment.sub, want_cts
         )
-        recompute = None
+        recompute, tally, n0 = None, _drift.current_tally(), None
         if anchor is not None and checked and want_cts and all(xs_known):
-            recompute = _scan_recompute.iteration(eqn, consts, xs)
+            recompute = _scan_recompute.iteration(eqn, consts, xs, callback=tally is None)
+            n0 = None if tally is None else jnp.zeros((), jnp.int32)  # recomputes, counted here
 
         def body(state, per_iter):
-            carry, ct_c, ct_k, code, err_c = state
+            carry, ct_c, ct_k, code, err_c, n = state
             y, ct_y, x, sk, k = per_iter
             given_x = [v if known else None for v, known in zip(x, xs_known, strict=True)]
             inner_in = body_consts + consts + [None] * num_carry + given_x
@@ -341,7 +342,7 @@ class ScanRule:
             if scan_errs is not None:
                 new_err_c, x_err = scan_errs.split(new_errs[num_body_consts:], xs_avals)
             if inner_cts is None:  # no cotangents wanted (ct_c is None)
-                return (new_carry, None, None, code, new_err_c), (x_rec, None, x_err)
+                return (new_carry, None, None, code, new_err_c, n), (x_rec, None, x_err)
             const_cts, new_ct_c, ct_x = _split_cts(
                 inner_cts[num_body_consts:], (const_avals, carry_avals, xs_avals)
             )
@@ -350,18 +351,21 @@ class ScanRule:
                 (new_carry, new_ct_c, const_cts, ct_x), new_err_c = _scan_recompute.where_failed(
                     inner_code, recompute, (anchor, k, ct_c, ct_y), walked, new_err_c
                 )
+                n = None if n is None else n + (inner_code != 0).astype(jnp.int32)
             new_ct_k = [
                 None if acc is None else (acc if c is None else acc + c)
                 for acc, c in zip(ct_k, const_cts, strict=True)
             ]
-            return (new_carry, new_ct_c, new_ct_k, code, new_err_c), (x_rec, ct_x, x_err)
+            return (new_carry, new_ct_c, new_ct_k, code, new_err_c, n), (x_rec, ct_x, x_err)
 
-        init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0)
+        init = (list(outs[:num_carry]), ct_carry, ct_consts, code0, err_c0, n0)
         known_xs = [x if known else None for x, known in zip(xs, xs_known, strict=True)]
         per_iter = (ys, ct_ys, known_xs, sketches, jnp.arange(params["length"]))
-        (carry0, ct_c0, ct_k, code, err_c), (x_rec, ct_x, x_err) = _named_axes.scan(
+        (carry0, ct_c0, ct_k, code, err_c, n), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )
+        if n is not None and tally is not None:
+            tally.append(n)
         new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]
         rebuilt = consts + list(carry0) + new_xs
         new_errs = None if scan_errs is None else scan_errs.result(err_c, x_err)

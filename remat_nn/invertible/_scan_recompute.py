@@ -11,7 +11,8 @@ carry is computed forward from the anchor through the iterations before it
 wanted one on, so memory stays one iteration's), and its cotangents are plain autodiff's of the
 body at that carry. The iterations before it are then rebuilt from an exact carry. The replay
 runs only where a check failed (:func:`remat_nn._drift.when`) and costs the scan's length in
-body forwards each time; ``rn.drift_recomputes()`` counts it ("rn.invertible scan iteration k").
+body forwards each time; ``rn.drift_recomputes()`` counts it ("rn.invertible scan iteration k"),
+or, traced inside ``rn.report_drift_to``, the backward pass does (:func:`remat_nn._drift.tally`).
 
 Only when every per-iteration input (``xs``) is known to the walk (weights): a rebuilt ``xs``
 has nothing to replay from. A check that fails outside such a scan still raises.
@@ -51,12 +52,15 @@ def _floats(cts: Sequence[Any], values: Sequence[Any]) -> list:
     return [c if is_float(core.typeof(v)) else None for c, v in zip(cts, values, strict=True)]
 
 
-def iteration(eqn: core.JaxprEqn, consts: Sequence[Any], xs: Sequence[Any]) -> Callable:
+def iteration(
+    eqn: core.JaxprEqn, consts: Sequence[Any], xs: Sequence[Any], callback: bool = True
+) -> Callable:
     """``recompute(anchor, k, ct_carry, ct_ys) -> (carry, carry_cts, const_cts, x_cts)``: the
     input carry of the iteration at ``xs`` index ``k`` of the scan ``eqn`` (with ``consts`` and
     ``xs``, all known), computed forward from ``anchor`` (the scan's first carry), and the
     cotangents of the carry, ``consts`` and that iteration's ``xs`` from the carry's and ys'
-    cotangents ``ct_carry``, ``ct_ys`` (None where a value carries none)."""
+    cotangents ``ct_carry``, ``ct_ys`` (None where a value carries none). ``callback``: count
+    each recompute on the host (else the caller counts them: :func:`remat_nn._drift.tally`)."""
     params = eqn.params
     num_carry, length, reverse = params["num_carry"], params["length"], params["reverse"]
     inner, body_consts = open_jaxpr(params["jaxpr"])
@@ -73,7 +77,8 @@ def iteration(eqn: core.JaxprEqn, consts: Sequence[Any], xs: Sequence[Any]) -> C
         return body(consts, h, [a[step(j)] for a in xs])[0]
 
     def recompute(anchor: Sequence[Any], k: Any, ct_carry: Sequence[Any], ct_ys: Sequence[Any]):
-        jax.debug.callback(_recomputed, k)
+        if callback:
+            jax.debug.callback(_recomputed, k)
         carry = _drift.replay(layer, list(anchor), length, step(k))
         x = [a[k] for a in xs]
         outs, pull = jax.vjp(body, list(consts), carry, x)
