@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_nn import _drift, _named_axes
+from remat_nn import _reversible_check as rc
 from remat_nn._coupling import ReversibleBlock
 from remat_nn._jax_internals import sub_jaxprs
 from remat_nn._tie import tie, zero_after
@@ -111,96 +112,10 @@ def _forward_layers(
     return y, new_consts, sketches
 
 
-class _Check(NamedTuple):
-    """The drift check of one backward scan over layers: the forward's sketch of every layer's
-    input, and for ``fallback="recompute"`` the kept value the layers start from."""
-
-    fallback: str
-    rtol: float
-    sketches: jax.Array  # (layers, k + 2)
-    start: PyTree  # the first layer's input, kept (None unless fallback="recompute")
-    offset: jax.Array | int  # the first layer's index in the whole stack
-    report: bool  # recomputes are counted in the backward's result, not by a host callback
-
-
-def _block_vjp(block: ReversibleBlock, p, c, y, dy):
-    """``(x, dp, dx)``: the block's input rebuilt from ``y`` and its VJP there."""
-    if block.backward is not None:
-        return block.backward(p, c, y, dy)
-    x = block.inverse(p, c, y)
-    return (x, *_vjp_at(block, p, c, x, dy))
-
-
-def _vjp_at(block: ReversibleBlock, p, c, x, dy):
-    _, vjp = jax.vjp(lambda p_, x_: block.forward(p_, c, x_)[0], p, x)
-    return vjp(dy)
-
-
-def _recompute(block: ReversibleBlock, params, consts, start, i):
-    """The input of layer ``i`` computed forward from ``start``, the input of layer 0 (as many
-    block forwards as ``params`` has layers: the segment of ``anchor_every``, or the stack)."""
-
-    def layer(j, h):
-        p, c = jax.tree.map(lambda a: a[j], (params, consts))
-        return block.forward(p, c, h)[0]
-
-    return _drift.replay(layer, start, _depth(params, consts), i)
-
-
-_DRIFTED = """\
-reversible stack: the input of layer {layer}, rebuilt from its output by the block's inverse, \
-is off by {drift:.3g} of its norm (tolerance drift_rtol={rtol:g}; measured from random \
-projections kept in the forward pass), so its gradient would be wrong. The stack amplifies \
-rounding error when inverted: its activations grow or its blocks are nearly singular. Fix: \
-anchor_every=k (keep every k-th layer's input), normalized branches (LayerNorm), a wider \
-recon_dtype; fallback="recompute" (recompute a drifted layer's input from the nearest kept \
-value: the compiled backward then holds more temporary memory); or reversible=False."""
-
-
-def _recomputed(layer) -> None:
-    _drift.recomputed(f"reversible layer {int(layer)}")
-
-
-def _checked(block, params, consts, check: _Check, p, c, dy, i, ref, rebuilt):
-    """``(rebuilt, drifted, drift)``: ``rebuilt`` (``(x, dp, dx)`` of layer ``i``) if its ``x``
-    passes the drift check against the forward's sketch ``ref``; else, by ``check.fallback``,
-    recomputed from the kept start (``"recompute"``) or returned as it is, flagged
-    (``"flag"``: the caller refuses or reruns once for the whole stack)."""
-    drift = _drift.drift(rebuilt[0], ref)
-    bad = ~(drift <= check.rtol)  # nan (a non-finite rebuilt value) fails
-    if check.fallback != "recompute":
-        return rebuilt, bad, drift
-
-    def recompute(params, consts, start, i, layer, p, c, dy):
-        if not check.report:
-            jax.debug.callback(_recomputed, layer)
-        x = _recompute(block, params, consts, start, i)
-        return (x, *_vjp_at(block, p, c, x, dy))
-
-    # p and c: the layer's own, tied as the main path's (under shard_map, of the same types).
-    args = (params, consts, check.start, i, check.offset + i, p, c, dy)
-    return _drift.when(bad, recompute, args, rebuilt), bad, drift
-
-
-def _none_drifted() -> tuple[jax.Array, jax.Array, jax.Array]:
-    """No layer drifted: ``(layer, its drift, count)`` of the first that did and of how many
-    did, as the backward carries it (layer -1, count 0)."""
-    return jnp.int32(-1), jnp.float32(0.0), jnp.int32(0)
-
-
-def _first(first, bad, layer, drift, count=1):
-    """The first drifted layer, its drift and the count: ``first``, updated with ``(layer,
-    drift)`` if it is none and ``bad``, and ``count`` more drifted layers if ``bad``."""
-    take = bad & (first[0] < 0)
-    layer, drift = jnp.asarray(layer, jnp.int32), jnp.asarray(drift, jnp.float32)
-    total = first[2] + jnp.where(bad, jnp.asarray(count, jnp.int32), 0)
-    return jnp.where(take, layer, first[0]), jnp.where(take, drift, first[1]), total
-
-
 def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, check=None):
-    """``(dx, dparams, first)``: the reverse scan over layers; ``first`` is ``(layer, drift,
-    count)`` of the first layer (in the backward's order) whose rebuilt input failed ``check``
-    and of how many failed (:func:`_none_drifted` if none, or without a check)."""
+    """``(dx, dparams, worst)``: the reverse scan over layers; ``worst`` is ``(layer, drift,
+    count)`` of the layer whose rebuilt input failed ``check`` by the most and of how many
+    failed (``rc.none_drifted()`` if none, or without a check)."""
 
     def step(carry, layer):
         y, dy, after, first = carry
@@ -211,18 +126,19 @@ def _backward_layers(block: ReversibleBlock, params, consts, y, dy, unroll, chec
         # the activations: XLA fuses a tie into every consumer of the tied value, and a fused
         # tie on an activation keeps the buffers it is computed from alive, layer after layer.)
         p, c = tie((p, c), after)
-        x, dp, dx = _block_vjp(block, p, c, y, dy)
+        x, dp, dx = rc.block_vjp(block, p, c, y, dy)
         if check is not None:
             rebuilt = (x, dp, dx)
-            (x, dp, dx), bad, drift = _checked(
+            (x, dp, dx), bad, drift = rc.checked(
                 block, params, consts, check, p, c, dy, i, ref, rebuilt
             )
-            first = _first(first, bad, check.offset + i, drift)
+            first = rc.worst(first, bad, check.offset + i, drift)
         dx = _cast(dx, jax.tree.map(lambda a: a.dtype, dy))
         return (x, dx, zero_after((dp, dx), after.dtype), first), dp
 
     # The zero rides in the carry in the stream's dtype (a bfloat16 stream stays bfloat16).
-    carry = (y, dy, zero_after(dy, jax.tree.leaves(dy)[0].dtype), _none_drifted())
+    first_after = (dy, None if check is None else check.after)
+    carry = (y, dy, zero_after(first_after, jax.tree.leaves(dy)[0].dtype), rc.none_drifted())
     depth = _depth(params, consts)
     layers = ((params, consts), jnp.arange(depth), None if check is None else check.sketches)
     (_, dx, _, first), dparams = _named_axes.scan(step, carry, layers, reverse=True, unroll=unroll)
@@ -261,11 +177,13 @@ def _layer_jaxpr(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTr
     return jax.make_jaxpr(block.forward)(*layer, xs).jaxpr
 
 
-def _default_rtol(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree) -> float:
-    """The drift tolerance of a stack whose stream is ``x``: :func:`remat_nn._drift.default_rtol`
-    of the stream and of what its blocks compute in (bfloat16 branches rebuild a float32 stream
-    to bfloat16 precision only, and plain autodiff's gradient is no more precise)."""
-    return _drift.default_rtol(x, _drift.float_dtypes(_layer_jaxpr(block, params, consts, x)))
+def _default_rtol(block: ReversibleBlock, params: PyTree, consts: PyTree, x: PyTree):
+    """``(rtol, eps)``: the drift tolerance of a stack whose stream is ``x``
+    (:func:`remat_nn._drift.default_rtol` of the stream and of what its blocks compute in:
+    bfloat16 branches rebuild a float32 stream to bfloat16 precision only, and plain
+    autodiff's gradient is no more precise), and that narrowest dtype's machine epsilon."""
+    computes = _drift.float_dtypes(_layer_jaxpr(block, params, consts, x))
+    return _drift.default_rtol(x, computes), _drift.default_eps(x, computes)
 
 
 def _unroll(
@@ -307,6 +225,7 @@ class _Stack(NamedTuple):
     fallback: str
     rtol: float
     report: bool  # report to a probe's cotangent (remat_nn._drift.report_drift_to), not the host
+    eps: float | None = None  # the default tolerance: loosened by the stack's sensitivity to eps
 
     @property
     def keep_starts(self) -> bool:  # the stack's input is kept for recomputes
@@ -338,43 +257,63 @@ class _Stack(NamedTuple):
         """``(dx, dparams, counts)``; ``counts``: :func:`remat_nn._drift.counts` (failed
         stacks, recomputed layers) with ``report``, else None (a failed check raises)."""
         args = (params, consts, y, starts, sketches, dy)
-        if self.fallback == "error":
-            # Flagged in the loop and refused once at the end: a conditional per layer cost
-            # RevNet-38's step 11% (an unrolled stack's conditionals break its stream of ops).
-            dx, dparams, (layer, drift, _) = self.backward_with(
-                *args, mode="flag", unroll=self.unroll
-            )
-            if self.report:
-                return dx, dparams, _drift.counts(layer >= 0, 0)
-            _drift.refuse_if(layer >= 0, _DRIFTED, layer, drift, self.rtol)
-            return dx, dparams, None
-        if self.fallback != "recompute" or self.unroll is not True:
-            mode, unroll = self.fallback, self.unroll
-            dx, dparams, (_, _, n) = self.backward_with(*args, mode=mode, unroll=unroll)
+        if self.fallback == "none" or (
+            self.fallback == "recompute" and self.unroll is not True and self.eps is None
+        ):  # checked (and recomputed) layer by layer, or not at all
+            mode = self.fallback
+            dx, dparams, (_, _, n) = self.backward_with(*args, mode=mode, unroll=self.unroll)
             return dx, dparams, self._counts(n if mode == "recompute" else 0)
-        # Unrolled, a recompute branch per layer would be a loop per layer, each with buffers
-        # of its own (memory growing with depth): the unrolled backward only flags drift, and
-        # if a layer drifted, the backward runs again rolled, recomputing where needed.
-        dx, dparams, (layer, _, _) = self.backward_with(*args, mode="flag", unroll=True)
+        # Flagged in the loop and judged once at the end: a conditional per layer cost
+        # RevNet-38's step 11% (an unrolled stack's conditionals break its stream of ops), and
+        # the default tolerance is known only then (rc.loosened: from the input's cotangent).
+        # The output's norms are taken first, the backward's checks tied after them: taken at
+        # the end, they kept y and dy alive through it (RevNet-38's peak 2.7% above unchecked).
+        norms = None if self.eps is None else (rc.norm(y), rc.norm(dy))
+        dx, dparams, (layer, drift, _) = self.backward_with(
+            *args, mode="flag", unroll=self.unroll, after=norms
+        )
+        bad, tol = self._judge(layer, drift, sketches, norms, dx)
+        if self.fallback == "error":
+            if self.report:
+                return dx, dparams, _drift.counts(bad, 0)
+            _drift.refuse_if(bad, rc.DRIFTED, layer, drift, tol)
+            return dx, dparams, None
+        # "recompute": the backward runs again, rolled, recomputing every layer past drift_rtol
+        # (unrolled, a recompute branch per layer would be a loop per layer, each with buffers
+        # of its own: memory growing with depth).
+        rolled = 1 if self.unroll is True else self.unroll
 
-        def rolled(*a):
-            dx, dparams, (_, _, n) = self.backward_with(*a, mode="recompute", unroll=1)
+        def again(*a):
+            dx, dparams, (_, _, n) = self.backward_with(*a, mode="recompute", unroll=rolled)
             return dx, dparams, n
 
-        dx, dparams, n = _drift.when(layer >= 0, rolled, args, (dx, dparams, jnp.int32(0)))
+        dx, dparams, n = _drift.when(bad, again, args, (dx, dparams, jnp.int32(0)))
         return dx, dparams, self._counts(n)
+
+    def _judge(self, layer, drift, sketches, norms, dx):
+        """``(refused, tolerance)`` of a backward whose worst layer is ``layer`` (-1: none
+        drifted past ``rtol``) with ``drift``; the default tolerance is raised by the stack's
+        condition number (``rc.loosened``: from the first layer's sketch, the norms of the
+        output and its cotangent and the input's cotangent ``dx``, nothing recomputed)."""
+        drifted = layer >= 0
+        if norms is None:
+            return drifted, jnp.float32(self.rtol)
+        first = sketches.reshape((-1, sketches.shape[-1]))[0]  # (segments and) layers
+        assert self.eps is not None  # norms are taken for the default tolerance only
+        tol = rc.loosened(self.rtol, self.eps, first, norms[0], norms[1], dx)
+        return drifted & ~(drift <= tol), tol
 
     def _counts(self, recomputed: jax.Array | int) -> jax.Array | None:
         return _drift.counts(0, recomputed) if self.report else None
 
-    def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll):
-        """``(dx, dparams, first)`` with the drift check in ``mode`` (``first``: see
-        :func:`_backward_layers`)."""
+    def backward_with(self, params, consts, y, starts, sketches, dy, mode, unroll, after=None):
+        """``(dx, dparams, worst)`` with the drift check in ``mode`` (``worst``: see
+        :func:`_backward_layers`); the first layer's after ``after`` (values, or None)."""
 
         def check(sk, start, offset):
             if self.fallback == "none":
                 return None
-            return _Check(mode, self.rtol, sk, start, offset, self.report)
+            return rc.Check(mode, self.rtol, sk, start, offset, self.report, after)
 
         block, num_segments = self.block, self.num_segments
         if num_segments == 1:
@@ -386,7 +325,7 @@ class _Stack(NamedTuple):
             p, c, end, start, sk, s = seg
             chk = check(sk, start, s * (_depth(params, consts) // num_segments))
             dx, dp, seg_first = _backward_layers(block, p, c, end, dy, unroll, chk)
-            return (dx, _first(first, seg_first[2] > 0, *seg_first)), dp
+            return (dx, rc.worst(first, seg_first[2] > 0, *seg_first)), dp
 
         anchors = jax.tree.map(lambda a: a[1:], starts) if self.keep_starts else starts
         ends = jax.tree.map(lambda a, last: jnp.concatenate([a, last[None]]), anchors, y)
@@ -398,7 +337,7 @@ class _Stack(NamedTuple):
             sketches,
             jnp.arange(num_segments),
         )
-        init = (dy, _none_drifted())
+        init = (dy, rc.none_drifted())
         (dx, first), dparams = _named_axes.scan(segment, init, segs, reverse=True, unroll=unroll)
         return dx, _unsegment(dparams), first
 
@@ -487,7 +426,9 @@ def reversible_scan(
         2.4e-4; bfloat16 branches on a float32 stream: 0.1; the projections' own rounding is
         about 1e-7). A float32 stack's gradient error was 0.2x to 14x its largest layer drift
         on the canonical-stacks matrix: pass a smaller one (down to about 1e-6 in float32)
-        for a tighter check.
+        for a tighter check. Only the default is raised, for a chaotic stack: to 30
+        epsilons times the stack's relative condition number, estimated from the backward's
+        cotangents (:mod:`remat_nn._reversible_check`), where that is larger.
       fallback: what a layer whose rebuilt input drifted past ``drift_rtol`` gets:
         ``"error"`` (default): :class:`remat_nn.NotInvertibleError` at run time (one host
         callback, staged in a branch that runs only then). ``"recompute"``: its input is
@@ -529,10 +470,12 @@ def reversible_scan(
     dtypes = jax.tree.map(lambda a: a.dtype, x)
     stream = _cast(x, _stream_dtypes(x, recon_dtype))
     unroll = _unroll(unroll, "reversible_scan", block, params, consts, stream)
-    if drift_rtol is None:  # fallback="none" checks nothing: no tolerance to work out
-        drift_rtol = 0.0 if fallback == "none" else _default_rtol(block, params, consts, stream)
+    eps = None  # the default tolerance follows the stack's sensitivity (_reversible_check)
+    if drift_rtol is None and fallback != "none":  # "none" checks nothing: no tolerance
+        drift_rtol, eps = _default_rtol(block, params, consts, stream)
     sink = _drift.current_sink()
-    stack = _Stack(block, num_segments, unroll, fallback, float(drift_rtol), sink is not None)
+    rtol = float(drift_rtol or 0.0)
+    stack = _Stack(block, num_segments, unroll, fallback, rtol, sink is not None, eps)
     y, new_consts = _make_reversible(stack)(params, consts, stream, sink and sink.take())
     return _cast(y, dtypes), new_consts
 

@@ -151,8 +151,7 @@ def _trace(
                 why=analysis.blocked,
             )
         )
-    run = _as_custom_vjp(analysis, recompute=not strict)
-    reporting = _as_custom_vjp(analysis, recompute=not strict, report=True)
+    run, reporting = (_as_custom_vjp(analysis, not strict, report) for report in (False, True))
     out_tree = store["out_tree"]
     return Traced(jaxpr, list(closed.consts), names, dyn_index, out_tree, analysis, run, reporting)
 
@@ -256,8 +255,7 @@ def _as_custom_vjp(analysis: Analysis, recompute: bool = False, report: bool = F
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
-        # With report, the scans that recompute count in the program (else by host callback).
-        with _drift.tally() if report else contextlib.nullcontext([]) as recomputed:
+        with _drift.tally() if report else contextlib.nullcontext([]) as recomputed:  # scans
             _, in_cts, code, _ = execute(
                 analysis,
                 invals,

@@ -19,7 +19,7 @@ import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 
-from remat_nn import _drift, _named_axes
+from remat_nn import _named_axes
 from remat_nn._jax_internals import (
     core,
     custom_jvp_call_p,
@@ -310,10 +310,8 @@ class ScanRule:
         sketches, measure = _scan_sketch.per_iteration(
             None if scan_errs is None else sketches, assessment.sub, want_cts
         )
-        recompute, tally, n0 = None, _drift.current_tally(), None
-        if anchor is not None and checked and want_cts and all(xs_known):
-            recompute = _scan_recompute.iteration(eqn, consts, xs, callback=tally is None)
-            n0 = None if tally is None else jnp.zeros((), jnp.int32)  # recomputes, counted here
+        usable = anchor is not None and checked and want_cts and all(xs_known)
+        recompute, tally, n0 = _scan_recompute.prepare(eqn, consts, xs, usable)
 
         def body(state, per_iter):
             carry, ct_c, ct_k, code, err_c, n = state
@@ -364,8 +362,7 @@ class ScanRule:
         (carry0, ct_c0, ct_k, code, err_c, n), (x_rec, ct_x, x_err) = _named_axes.scan(
             body, init, per_iter, length=params["length"], reverse=not params["reverse"]
         )
-        if n is not None and tally is not None:
-            tally.append(n)
+        _scan_recompute.counted(tally, n)
         new_xs = [r if x is None else x for r, x in zip(x_rec, xs, strict=True)]
         rebuilt = consts + list(carry0) + new_xs
         new_errs = None if scan_errs is None else scan_errs.result(err_c, x_err)

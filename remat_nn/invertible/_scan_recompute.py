@@ -88,6 +88,26 @@ def iteration(
     return recompute
 
 
+def prepare(
+    eqn: core.JaxprEqn, consts: Sequence[Any], xs: Sequence[Any], usable: bool
+) -> tuple[Callable | None, list | None, Any]:
+    """``(recompute, tally, count)`` for the scan ``eqn``: :func:`iteration` if ``usable``
+    (else None); the :func:`remat_nn._drift.tally` it counts into (None: host callbacks) and
+    the count's initial value, an int32 zero where it counts so (else None)."""
+    if not usable:
+        return None, None, None
+    tally = _drift.current_tally()
+    count = None if tally is None else jnp.zeros((), jnp.int32)
+    return iteration(eqn, consts, xs, callback=tally is None), tally, count
+
+
+def counted(tally: list | None, count: Any) -> None:
+    """Adds a scan's ``count`` of recomputed iterations to ``tally`` (from :func:`prepare`;
+    None: counted by host callbacks), for a backward that reports to a probe."""
+    if tally is not None and count is not None:
+        tally.append(count)
+
+
 def where_failed(
     code: Any, recompute: Callable, args: tuple, walked: tuple, errs: Sequence[Any] | None
 ) -> tuple[tuple, Any]:

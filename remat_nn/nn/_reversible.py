@@ -176,7 +176,8 @@ class ReversibleSequence(fnn.Module):
       drift_rtol: the largest relative drift a rebuilt layer input may have, measured in the
         backward against random projections of the true input kept by the forward
         (:func:`remat_nn.reversible_scan`; ``None``: 2048 times the epsilon of the narrowest
-        float the stream or the coupling computes in: float32 2.4e-4, bfloat16 0.1).
+        float the stream or the coupling computes in: float32 2.4e-4, bfloat16 0.1, raised
+        for an ill-conditioned stack: see :func:`remat_nn.reversible_scan`).
       fallback: a layer whose rebuilt input drifted further: ``"error"`` (default) raises
         :class:`remat_nn.NotInvertibleError`; ``"recompute"`` recomputes its input from the
         nearest kept value (the stack's input or an anchor; more temporary memory); ``"none"``
