@@ -21,7 +21,9 @@ drifts and the cotangents of the unchecked reconstruction measured outside the c
 its 288 scan cells the reversible stacks' false refusals (refused, unchecked gradient within
 10x plain autodiff's own error against float64) fell from 43 to 17 at 30 (11 at 100, 22 at
 10), with no accepted cell further than 53x autodiff's error (the same worst as the fixed
-default; the first accepted cell past 100x, 119x, appeared at 300). What it leaves refused:
+default; the first accepted cell past 100x, 119x, appeared at 300). Run with the check as
+built (``python -m benchmarks.reversible_matrix``): 16 false refusals, none accepted past
+100x. What it leaves refused:
 affine couplings whose inverse amplifies rounding far more than their forward (the drift is
 100-10,000 times ``eps * kappa``), where the unchecked gradient is mostly hundreds of times
 autodiff's error. A cotangent that grows along the drifted trajectory itself (a garbage
