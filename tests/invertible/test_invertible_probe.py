@@ -20,12 +20,16 @@ import remat_nn as rn
 from benchmarks import invertible_matrix as matrix
 from remat_nn.invertible import _errors
 from tests.gradients import counts_agree
-from tests.invertible.test_invertible_recompute import CHAOTIC, _every_derivative_moved
+from tests.invertible.test_invertible_recompute import (
+    CHAOTIC,
+    _every_derivative_moved,
+    scan_stack,
+)
 
-#: A small stack for the exact counts: every derivative check made to fail (the mock), so
-#: every one of its DEPTH iterations is recomputed.
+#: The small stack's depth (tests.invertible.test_invertible_recompute.scan_stack) for the
+#: exact counts: every derivative check made to fail (the mock), so every iteration is
+#: recomputed.
 DEPTH = 6
-SMALL = replace(CHAOTIC, width=16, depth=DEPTH)
 
 
 def _args(stack: matrix.Stack, scale: str) -> list[jax.Array]:
@@ -84,16 +88,7 @@ def test_the_probe_counts_what_the_host_callbacks_report(fallback):
 
 
 def _small(reverse: bool = False):
-    *args, c1, c2 = _args(SMALL, "lecun")
-    branch, combine = matrix._branch(SMALL), matrix.COMBINE[SMALL.coupling][0]
-
-    def block(h, w):
-        x1 = combine(h[0], branch(w[0], h[1]))
-        return (x1, combine(h[1], branch(w[1], x1))), None
-
-    def f(x1, x2, wf, wg):
-        return jax.lax.scan(block, (x1, x2), (wf, wg), reverse=reverse)[0]
-
+    f, (*args, c1, c2) = scan_stack(DEPTH, reverse)
     fn = rn.invertible(f, known_argnums=(2, 3), fallback="recompute")
     return fn, f, args, c1, c2
 

@@ -57,13 +57,9 @@ def _every_derivative_moved(*args, **kwargs):
     return None if _derivative_ok(*args, **kwargs) is None else jnp.bool_(False)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_every_iteration_recomputed_gives_plain_autodiffs_gradient(reverse):
-    """Every derivative check fails, so every iteration is recomputed from the anchor: the
-    gradient is then plain autodiff's per iteration, at the carries the forward computed.
-    (Catches a replay to the wrong iteration, reversed scans' index order, or cotangents of
-    the wrong iteration's weights.)"""
-    depth = 6
+def scan_stack(depth: int, reverse: bool = False):
+    """``(f, args)``: a small coupling stack of the matrix as one ``lax.scan`` over its blocks
+    (``reverse``: run backwards), and its data (x1, x2, wf, wg, c1, c2) at LeCun weights."""
     stack = replace(CHAOTIC, width=16, depth=depth)
     args = [jnp.asarray(a, jnp.float32) for a in matrix._data(stack, "lecun")]
     branch, combine = matrix._branch(stack), matrix.COMBINE[stack.coupling][0]
@@ -75,6 +71,17 @@ def test_every_iteration_recomputed_gives_plain_autodiffs_gradient(reverse):
     def f(x1, x2, wf, wg):
         return jax.lax.scan(block, (x1, x2), (wf, wg), reverse=reverse)[0]
 
+    return f, args
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_iteration_recomputed_gives_plain_autodiffs_gradient(reverse):
+    """Every derivative check fails, so every iteration is recomputed from the anchor: the
+    gradient is then plain autodiff's per iteration, at the carries the forward computed.
+    (Catches a replay to the wrong iteration, reversed scans' index order, or cotangents of
+    the wrong iteration's weights.)"""
+    depth = 6
+    f, args = scan_stack(depth, reverse)
     plain = matrix._grad(f)(*args)
     rn.drift_recomputes(reset=True)
     with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
