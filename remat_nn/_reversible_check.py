@@ -64,10 +64,6 @@ class Check(NamedTuple):
     after: Any = None  # values the first layer's reconstruction waits for (or None)
 
 
-def depth_of(params: PyTree, consts: PyTree) -> int:
-    return jax.tree.leaves((params, consts))[0].shape[0]
-
-
 def block_vjp(block: ReversibleBlock, p, c, y, dy):
     """``(x, dp, dx)``: the block's input rebuilt from ``y`` and its VJP there."""
     if block.backward is not None:
@@ -81,20 +77,16 @@ def vjp_at(block: ReversibleBlock, p, c, x, dy):
     return vjp(dy)
 
 
-def _layers(block: ReversibleBlock, params, consts):
-    """``layer(j, h)``: layer ``j``'s forward on ``h``, as the forward pass ran it."""
+def recompute(block: ReversibleBlock, params, consts, start, i):
+    """The input of layer ``i`` computed forward from ``start``, the input of layer 0 (as many
+    block forwards as ``params`` has layers: the segment of ``anchor_every``, or the stack)."""
 
     def layer(j, h):
         p, c = jax.tree.map(lambda a: a[j], (params, consts))
         return block.forward(p, c, h)[0]
 
-    return layer
-
-
-def recompute(block: ReversibleBlock, params, consts, start, i):
-    """The input of layer ``i`` computed forward from ``start``, the input of layer 0 (as many
-    block forwards as ``params`` has layers: the segment of ``anchor_every``, or the stack)."""
-    return _drift.replay(_layers(block, params, consts), start, depth_of(params, consts), i)
+    depth = jax.tree.leaves((params, consts))[0].shape[0]  # checked by reversible_scan
+    return _drift.replay(layer, start, depth, i)
 
 
 def loosened(rtol: float, eps: float, x_sketch, y_norm, dy_norm, dx) -> jax.Array:
