@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import remat_nn as rn
-from remat_nn.invertible import _api
+from remat_nn.invertible import _vjp
 
 D, B = 16, 4
 CASES = [(0.3, d) for d in (4, 6, 8, 16)] + [(0.1, d) for d in (2, 4, 6, 8, 12, 16)]
@@ -75,7 +75,7 @@ def reference(ws, x1, x2):
 def unchecked_walk(args):
     """The walk's gradient with its failed checks not raised (the values are the same)."""
     f = rn.invertible(stack, known_argnums=0)
-    with mock.patch.object(_api, "stop_on_failed_check", lambda *_: None):
+    with mock.patch.object(_vjp, "stop_on_failed_check", lambda *_: None):
         return jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*args)
 
 

@@ -90,6 +90,10 @@ EPS_MULTIPLE = 2048
 #: matmuls out of its count of the model's matmuls).
 SCOPE = "drift_projections"
 FALLBACKS = ("error", "recompute", "none")
+#: The default tolerances' allowance for a badly conditioned computation, in units of ``eps``
+#: times its relative condition number (:func:`allowance`; set on the canonical-stacks matrix:
+#: ``remat_nn/_reversible_check.py``'s module docstring).
+CONDITION_MULTIPLE = 30.0
 
 
 #: How many times each checked value (by its label, e.g. ``"reversible layer 7"``) was
@@ -473,3 +477,26 @@ def _when_bwd(fn, res, ct):
 
 
 _when.defvjp(_when_fwd, _when_bwd)
+
+
+def norm(tree: PyTree) -> jax.Array:
+    """The 2-norm of ``tree``'s leaves taken as one vector, in float32."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree)))
+
+
+def allowance(
+    eps: float,
+    x_norm: Any,
+    y_norm: Any,
+    dy_norm: Any,
+    dx_norm: Any,
+    multiple: float = CONDITION_MULTIPLE,
+) -> jax.Array:
+    """``multiple`` times ``eps`` times the relative condition number of a map
+    ``x -> y`` as its backward pass measured it, ``kappa = (|dx| / |dy|) (|x| / |y|)`` (``dy``
+    the output's cotangent, ``dx = J^T dy`` the input's): the relative error float arithmetic
+    at ``eps`` already puts in the map's own result, the rounding a rebuilt value may carry
+    without being worse than plain autodiff (``remat_nn/_reversible_check.py``). A float32
+    scalar; 0 where ``kappa`` is not finite (a zero cotangent, an overflow)."""
+    kappa = (dx_norm / dy_norm) * (x_norm / y_norm)
+    return jnp.where(jnp.isfinite(kappa), multiple * eps * kappa, 0.0).astype(jnp.float32)

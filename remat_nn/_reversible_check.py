@@ -43,12 +43,9 @@ import jax.numpy as jnp
 
 from remat_nn import _drift
 from remat_nn._coupling import ReversibleBlock
+from remat_nn._drift import norm
 
 PyTree = Any
-
-#: The default tolerance's allowance, in units of ``eps`` times the stack's relative
-#: condition number (module docstring).
-CONDITION_MULTIPLE = 30.0
 
 
 class Check(NamedTuple):
@@ -90,22 +87,16 @@ def recompute(block: ReversibleBlock, params, consts, start, i):
 
 
 def loosened(rtol: float, eps: float, x_sketch, y_norm, dy_norm, dx) -> jax.Array:
-    """The default tolerance of a stack: ``rtol``, raised to :data:`CONDITION_MULTIPLE` times
-    ``eps`` times the stack's relative condition number as its backward measured it (float32
-    scalar; module docstring).
+    """The default tolerance of a stack: ``rtol``, raised to ``_drift.allowance``:
+    ``CONDITION_MULTIPLE`` times ``eps`` times the stack's relative condition number as its
+    backward measured it (float32 scalar; module docstring).
 
     ``kappa = (|dx| / |dy|) (|x| / |y|)``: ``dy`` the output's cotangent, ``dx`` the input's
     that the backward computed, ``|x|`` the true input's norm (from its sketch ``x_sketch``:
     scale times the norm of the scaled value), ``y`` the output (their norms given:
     :func:`norm`). Not finite (a zero cotangent, an overflow): ``rtol``."""
-    kappa = (norm(dx) / dy_norm) * (x_sketch[0] * x_sketch[1] / y_norm)
-    allowed = jnp.where(jnp.isfinite(kappa), CONDITION_MULTIPLE * eps * kappa, 0.0)
-    return jnp.maximum(jnp.float32(rtol), allowed.astype(jnp.float32))
-
-
-def norm(tree: PyTree) -> jax.Array:
-    """The 2-norm of ``tree``'s leaves taken as one vector, in float32."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree)))
+    x_norm = x_sketch[0] * x_sketch[1]
+    return jnp.maximum(jnp.float32(rtol), _drift.allowance(eps, x_norm, y_norm, dy_norm, norm(dx)))
 
 
 DRIFTED = """\

@@ -62,12 +62,13 @@ Walk = Callable[..., tuple[list[Any], list[Any] | None, Any, list[Any]]]
 
 
 def combine_codes(code: Any, new: Any) -> Any:
-    """The first failed check of two codes (0: none failed; None: nothing checked)."""
+    """The worse failed check of two codes (``_verdict``; 0: none failed; None: nothing
+    checked)."""
     if new is None:
         return code
     if code is None:
         return new
-    return _errors.settle(jnp.where(code != 0, code, new))
+    return _errors.settle(jnp.maximum(code, new))
 
 
 @dataclasses.dataclass(frozen=True)

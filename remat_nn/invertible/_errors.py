@@ -98,12 +98,25 @@ def after(x: Any, dep: Any) -> Any:
     return x - jnp.zeros((), x.dtype) * (dep > -1).astype(x.dtype)
 
 
-def within(err: Err, value: Any, rtol: float) -> Any:
-    """Whether the largest error is at most the tolerance of ``value``'s scale (NaN: no)."""
+def value_excess(err: Err, value: Any, rtol: float) -> Any:
+    """How far the largest error is past the tolerance of ``value``'s scale (:func:`excess`:
+    0 if within, inf if NaN)."""
     top = scale(value)
     a, r, floor = err
     tol = jnp.maximum(tolerance(rtol, jnp.result_type(value)), floor)
-    return jnp.minimum(a, r * top) <= tol * top
+    return excess(jnp.minimum(a, r * top), top, tol)
+
+
+def excess(off: Any, top: Any, tol: Any) -> Any:
+    """A check's result (``_verdict``): 0 where ``off <= tol * top``, else the relative move
+    ``off / top`` (inf where it is NaN or ``top`` is 0), a float32 scalar."""
+    move = jnp.where(off <= tol * top, 0.0, (off / top).astype(jnp.float32))
+    return jnp.where(jnp.isnan(move), jnp.inf, move)
+
+
+def worse(a: Any, b: Any) -> Any:
+    """The larger of two :func:`excess` results (None: nothing checked)."""
+    return b if a is None else (a if b is None else jnp.maximum(a, b))
 
 
 #: An error: (absolute part, relative part, tolerance floor), float32 scalars. The floor is
@@ -150,10 +163,6 @@ def add(a: Err | None, b: Err | None) -> Err | None:
     if a is None or b is None:
         return b if a is None else a
     return jnp.hypot(a[0], b[0]), jnp.hypot(a[1], b[1]), jnp.maximum(a[2], b[2])
-
-
-def both(a: Any, b: Any) -> Any:
-    return b if a is None else (a if b is None else a & b)
 
 
 def _tangent_ok(t: Any) -> bool:
@@ -321,7 +330,7 @@ _LINEAR_NAMES = {"pvary", "psum", "psum_invariant", "pbroadcast", "all_gather", 
 _BILINEAR = {prims.dot_general_p, prims.mul_p, prims.conv_general_dilated_p}
 
 
-def derivative_ok(
+def derivative_excess(
     eqn: core.JaxprEqn,
     ins: Sequence[Any],
     errs: Sequence[Err | None],
@@ -329,9 +338,9 @@ def derivative_ok(
     rtol: float,
     body_of: BodyOf,
 ) -> Any:
-    """Whether the derivatives the backward takes of ``eqn`` (in the operands at ``active``)
-    at operands carrying ``errs`` are within ``DERIVATIVE_SLACK * rtol`` of their own scale (a
-    bool scalar; None: nothing to check).
+    """How far the derivatives the backward takes of ``eqn`` (in the operands at ``active``)
+    at operands carrying ``errs`` move past ``DERIVATIVE_SLACK * rtol`` of their own scale: 0
+    if none does, else the largest relative move (:func:`excess`; None: nothing to check).
 
     A bilinear operation's derivative in one operand is the other operand: its error relative
     to its scale. Any other: for each operand ``i`` with an error and each active operand
@@ -349,7 +358,7 @@ def derivative_ok(
         (x, ex), (y, ey) = zip(ins, errs, strict=True)
         for e, v, partner in ((ex, x, 1), (ey, y, 0)):
             if e is not None and partner in active and floating(v):
-                ok = both(ok, within(e, v, DERIVATIVE_SLACK * rtol))
+                ok = worse(ok, value_excess(e, v, DERIVATIVE_SLACK * rtol))
         return ok
     vals = [jnp.asarray(x) for x in ins]
 
@@ -370,7 +379,7 @@ def derivative_ok(
             for dk, hk in zip(d, h, strict=True):
                 if _tangent_ok(dk):
                     tol = jnp.maximum(tolerance(DERIVATIVE_SLACK * rtol, jnp.result_type(dk)), e[2])
-                    ok = both(ok, scale(hk) <= tol * scale(dk))
+                    ok = worse(ok, excess(scale(hk), scale(dk), tol))
     return ok
 
 
@@ -379,7 +388,7 @@ def _through(
 ) -> tuple[list, Any]:
     """:func:`forward` through a call's body, equation by equation (the values are computed
     again: under jit XLA merges them with the call's own); with ``rtol``, also
-    :func:`derivative_ok` of each equation (in all its float operands)."""
+    :func:`derivative_excess` of each equation (in all its float operands)."""
     jaxpr, consts = open_jaxpr(body)
     env = dict(zip(jaxpr.invars, [*consts, *ins], strict=True))
     err = {
@@ -396,7 +405,7 @@ def _through(
         if any(e is not None for e in in_errs) or recomputes_16_bit(eqn, body_of):
             if rtol is not None and any(e is not None for e in in_errs):
                 active = [k for k, a in enumerate(eqn.invars) if is_var(a) and floating(vals[k])]
-                ok = both(ok, derivative_ok(eqn, vals, in_errs, active, rtol, body_of))
+                ok = worse(ok, derivative_excess(eqn, vals, in_errs, active, rtol, body_of))
             out_errs = forward(eqn, vals, outs, in_errs, body_of)
             err.update((v, e) for v, e in zip(eqn.outvars, out_errs, strict=True) if e is not None)
     return [err.get(v) if is_var(v) else None for v in jaxpr.outvars], ok

@@ -9,8 +9,8 @@ after its last use, so only about one equation's working set is live. ``execute`
 Inversions whose exactness depends on the values at hand (division by a known operand, ``log``
 of an ``exp``) run their rule's guard and bound; every value derived from a rebuilt one carries
 an error estimate (``_errors``) and each derivative taken at such values is checked against it.
-The failed check with the lowest step is reported as an int32 code (0: all exact) that
-``rn.invertible``'s backward turns into an error at run time.
+The worst failed check is reported as an int32 code (``_verdict``; 0: all passed) that
+``rn.invertible``'s backward judges and turns into an error at run time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from remat_nn._host_errors import raise_from_callback
 from remat_nn._jax_internals import core
 from remat_nn._named_axes import varying
 from remat_nn.errors import NotInvertibleError
-from remat_nn.invertible import _errors, _sketch
+from remat_nn.invertible import _errors, _sketch, _verdict
 from remat_nn.invertible._equation_rules import (
     Assessment,
     CallRule,
@@ -43,6 +43,7 @@ from remat_nn.invertible._equation_rules import (
     rule_for,
 )
 from remat_nn.invertible._jaxpr import display, eqn_vjp, eval_eqn, is_var, read, where
+from remat_nn.invertible._primitive_rules import DEFAULT_RTOL
 from remat_nn.invertible._scan_sketch import values
 
 _CHECK_MESSAGES: list[str] = []  # check id - 1 -> the error text of a failed run-time check
@@ -306,10 +307,6 @@ def _body_of(eqn: core.JaxprEqn) -> Any:
     return rule.body(eqn) if isinstance(rule, CallRule) else None
 
 
-def _flag(ok: Any, check: int) -> Any:
-    return None if ok is None else jnp.where(ok, 0, check).astype(jnp.int32)
-
-
 @dataclasses.dataclass
 class _State:
     """One walk's values, errors (see ``_errors``: absent means exact), cotangents and check."""
@@ -377,8 +374,8 @@ class _State:
         fresh = [p for p in d.unknown if eqn.invars[p] not in env]
         for p in d.unknown:
             env.setdefault(eqn.invars[p], rebuilt[p])
-        if result is not None and jnp.result_type(result) == np.bool_:
-            result = jnp.where(result, 0, step.check).astype(jnp.int32)
+        if result is not None and jnp.result_type(result) == np.bool_:  # a guard's
+            result = _verdict.encode(result, step.check)
         self.code = combine_codes(self.code, result)
         if result is not None:
             self.code = _tie(env, [eqn.invars[p] for p in d.unknown], self.code)
@@ -401,8 +398,10 @@ class _State:
         in_errs = [self.err.get(a) if is_var(a) else None for a in eqn.invars]
         flag = None
         if any(e is not None for e in in_errs):
-            ok = _errors.derivative_ok(eqn, ins, in_errs, active, self.analysis.rtol, _body_of)
-            flag = _flag(ok, _register_check(eqn))
+            move = _errors.derivative_excess(
+                eqn, ins, in_errs, active, self.analysis.rtol, _body_of
+            )
+            flag = _verdict.encode(move, _register_check(eqn))
             self.code = combine_codes(self.code, flag)
         in_cts = eqn_vjp(eqn, ins, couts, self.schedule.vjp_cache, active)
         for a, c in zip(eqn.invars, in_cts, strict=True):
@@ -487,23 +486,36 @@ the repeated layers as such a scan to have them recomputed instead of refused.""
 }
 
 
-def stop_on_failed_check(code: Any, fallback: str | None = None) -> None:
-    """Stages a host callback that raises the error of the first failed check in ``code``
-    (an int32 code from :func:`execute`; None: nothing was checked, nothing is staged), run
-    only where a check failed (``_drift.report_if``: a step whose checks pass makes no host
-    round trip, which cost the depth benchmark's 8-layer step 0.5 ms of its 6). Under ``jit``
-    the refusal is in the error's first lines: :mod:`remat_nn._host_errors`. Given the
-    gradient's ``fallback`` (``rn.invertible``'s), the text ends with what it could do: a
-    check that reaches here failed outside the scans ``fallback="recompute"`` recomputes in.
+def stop_on_failed_check(code: Any, fallback: str | None = None, allowed: Any = None) -> None:
+    """Stages a host callback that raises the error of the failed check in ``code`` (an int32
+    code from :func:`execute`, judged: ``_verdict.judged``; None: nothing was checked, nothing
+    is staged), run only where a check failed (``_drift.report_if``: a step whose checks pass
+    makes no host round trip, which cost the depth benchmark's 8-layer step 0.5 ms of its 6).
+    Under ``jit`` the refusal is in the error's first lines: :mod:`remat_nn._host_errors`.
+    Given the gradient's ``fallback`` (``rn.invertible``'s), the text ends with what it could
+    do: a check that reaches here failed outside the scans ``fallback="recompute"`` recomputes
+    in; given the tolerance the function's conditioning ``allowed``, it says so.
     """
     if code is not None:
         note = "" if fallback is None else _FALLBACK_NOTES[fallback]
-        _drift.report_if(code != 0, functools.partial(_raise_failed_check, note), code)
+        allowed = jnp.float32(-1.0) if allowed is None else allowed
+        _drift.report_if(code != 0, functools.partial(_raise_failed_check, note), code, allowed)
 
 
-def _raise_failed_check(note: str, code: Any) -> None:
-    failed = np.asarray(code).ravel()
-    failed = failed[failed != 0]
+_CONDITIONED = """
+The derivative moved by up to {move:.2g} of its scale; the tolerance was {tol:.2g} (rn.invertible's
+default: 1e-2, or if more the square root of epsilon times the function's relative condition
+number, measured by this backward pass, up to {most:g})."""
+
+
+def _raise_failed_check(note: str, code: Any, allowed: Any) -> None:
+    codes, allowed = np.asarray(code).ravel(), np.broadcast_to(allowed, np.shape(code)).ravel()
+    failed = np.flatnonzero(codes)
     if failed.size:
-        text = _CHECK_MESSAGES[int(failed[0]) - 1] + note
-        raise_from_callback(NotInvertibleError(text))
+        k, failed_code = failed[0], int(codes[failed[0]])
+        text = _CHECK_MESSAGES[_verdict.check_id(failed_code) - 1]
+        move = _verdict.bound(failed_code)
+        if move is not None and allowed[k] >= 0:
+            tol = max(float(allowed[k]), _errors.DERIVATIVE_SLACK * DEFAULT_RTOL)
+            text += _CONDITIONED.format(move=move, tol=tol, most=_verdict.MAX_MOVE)
+        raise_from_callback(NotInvertibleError(text + note))

@@ -21,7 +21,7 @@ import pytest
 import remat_nn as rn
 from benchmarks import invertible_matrix as matrix
 from benchmarks.invertible_drift import loss, problem, reference, stack
-from remat_nn.invertible import _api, _sketch
+from remat_nn.invertible import _sketch, _vjp
 from tests.jaxprs import equations
 
 REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
@@ -210,7 +210,7 @@ def test_the_sketches_cost_their_own_bytes_not_copies_of_the_activations():
     for depth in (4, 16):
         args = problem(0.3, depth, width=256, batch=64)
         walk = lambda: jax.grad(loss(rn.invertible(stack, known_argnums=0)), argnums=(0, 1, 2))  # noqa: E731
-        with mock.patch.object(_api, "sketched", lambda schedule: []):
+        with mock.patch.object(_vjp, "sketched", lambda schedule: []):
             unsketched = temp(walk(), args)
         plain = temp(jax.grad(loss(stack), argnums=(0, 1, 2)), args)
         temps[depth] = (temp(walk(), args), unsketched, plain)

@@ -63,7 +63,10 @@ def test_the_probe_counts_what_the_host_callbacks_report(fallback):
     """(Catches a failed check dropped under the probe, a recompute counted on the host only,
     and a probed program that still stages a callback.)"""
     *args, c1, c2 = _args(CHAOTIC, "2he")
-    fn = rn.invertible(matrix._stack_fn(CHAOTIC), known_argnums=(2, 3), fallback=fallback)
+    # At the fixed tolerance (an explicit rtol): the default accepts this chaotic stack.
+    fn = rn.invertible(
+        matrix._stack_fn(CHAOTIC), known_argnums=(2, 3), fallback=fallback, rtol=1e-5
+    )
     host = jax.jit(jax.grad(_loss(fn, c1, c2), argnums=(0, 1, 2, 3)))
     rn.drift_recomputes(reset=True)
     try:
@@ -97,7 +100,7 @@ def _small(reverse: bool = False):
 def test_every_iteration_recomputed_is_counted_once(reverse):
     """(Catches a count per scan instead of per iteration, or of iterations that passed.)"""
     fn, f, args, c1, c2 = _small(reverse)
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         *g, counts = jax.jit(jax.grad(_probed(fn, c1, c2), argnums=(0, 1, 2, 3, 4)))(
             *args, _probe()
         )
@@ -121,7 +124,7 @@ def test_under_vmap_each_example_gets_its_own_counts():
     per_example = jax.vmap(
         jax.grad(_probed(fn, c1, c2), argnums=4), in_axes=(0, 0, None, None, None)
     )
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         counts = jax.jit(per_example)(jnp.stack([x1, -x1]), jnp.stack([x2, x2]), wf, wg, _probe())
     assert counts.tolist() == [[0.0, float(DEPTH)]] * 2
 
@@ -141,6 +144,6 @@ def test_under_shard_map_a_replicated_probe_sums_the_devices_counts():
 
     specs = (P("data"), P("data"), P(), P(), P("data"), P("data"), P())
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         counts = jax.jit(sharded)(*args, c1, c2, _probe())
     assert counts.tolist() == [0.0, 2.0 * DEPTH]

@@ -21,6 +21,9 @@ REFUSED = (rn.NotInvertibleError, jax.errors.JaxRuntimeError)
 #: The canonical-stacks matrix's cell that rn.invertible refused at run time though its
 #: unchecked gradient was 2.4x jax.grad's own error: additive couplings, width 64, depth 32,
 #: weights twice He's (a chaotic stack: jax.grad's own error against float64 is about 2e-3).
+#: Its default verdict now follows its conditioning (accepted: test_invertible_conditioned.py);
+#: at the fixed tolerance (an explicit rtol) it is refused, and fallback="recompute" decides
+#: per iteration at the fixed tolerance.
 CHAOTIC = matrix.Stack("additive", 64, 32, "scan", ln=False, dtype="f32")
 
 
@@ -34,7 +37,7 @@ def _cell(stack, scale, depth=None, **kw):
 def test_a_refused_iteration_is_recomputed_and_the_gradient_is_as_exact_as_autodiff():
     """(Catches a recompute that is never taken, or that replays to the wrong iteration: its
     gradient would be the drifted one, or another iteration's.)"""
-    grad, args = _cell(CHAOTIC, "2he")
+    grad, args = _cell(CHAOTIC, "2he", rtol=1e-5)
     with pytest.raises(REFUSED, match="rebuilt"):
         jax.block_until_ready(grad(*args))
     want = matrix._reference(replace(CHAOTIC, dtype="f64"), ("2he",))["2he"]
@@ -49,12 +52,12 @@ def test_a_refused_iteration_is_recomputed_and_the_gradient_is_as_exact_as_autod
     assert error <= 10 * own
 
 
-_derivative_ok = _errors.derivative_ok
+_derivative_excess = _errors.derivative_excess
 
 
 def _every_derivative_moved(*args, **kwargs):
     """Every derivative check that checks something fails."""
-    return None if _derivative_ok(*args, **kwargs) is None else jnp.bool_(False)
+    return None if _derivative_excess(*args, **kwargs) is None else jnp.bool_(False)
 
 
 def scan_stack(depth: int, reverse: bool = False):
@@ -84,7 +87,7 @@ def test_every_iteration_recomputed_gives_plain_autodiffs_gradient(reverse):
     f, args = scan_stack(depth, reverse)
     plain = matrix._grad(f)(*args)
     rn.drift_recomputes(reset=True)
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         got = jax.block_until_ready(
             matrix._grad(rn.invertible(f, known_argnums=(2, 3), fallback="recompute"))(*args)
         )
@@ -165,7 +168,7 @@ def test_a_recomputed_iteration_with_an_integer_carry_and_per_iteration_outputs(
     ws = 0.3 * jax.random.normal(jax.random.key(0), (5, 4, 4))
     plain = loss(f)(x1, x2, ws)
     rn.drift_recomputes(reset=True)
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         inv = rn.invertible(f, known_argnums=2, fallback="recompute")
         got = jax.block_until_ready(loss(inv)(x1, x2, ws))
     assert sum(rn.drift_recomputes(reset=True).values()) == 5
@@ -182,7 +185,7 @@ def test_a_check_that_fails_outside_a_scan_says_what_the_fallback_could_do(fallb
     unrolled = replace(CHAOTIC, width=16, loop="loop")  # a Python loop over the layers
     grad, args = _cell(unrolled, "lecun", depth=3, fallback=fallback)
     rn.drift_recomputes(reset=True)
-    with mock.patch.object(_errors, "derivative_ok", _every_derivative_moved):
+    with mock.patch.object(_errors, "derivative_excess", _every_derivative_moved):
         with pytest.raises(REFUSED) as refused:
             jax.block_until_ready(grad(*args))
     text = str(refused.value)

@@ -29,12 +29,14 @@ CHAOTIC = (matrix.Stack("additive", 64, 32, "scan", ln=False, dtype="f32"), "2he
 
 
 @functools.cache
-def _reference(cell) -> list:
+def cell_reference(cell) -> list:
+    """The float64 gradient of a matrix cell ``(stack, scale)``."""
     stack, scale = cell
     return matrix._reference(replace(stack, dtype="f64"), (scale,))[scale]
 
 
-def _args(cell) -> list[jax.Array]:
+def cell_args(cell) -> list[jax.Array]:
+    """A matrix cell's float32 data (x1, x2, wf, wg, c1, c2)."""
     stack, scale = cell
     return [jnp.asarray(a, jnp.float32) for a in matrix._data(stack, scale)]
 
@@ -55,17 +57,18 @@ def _grad(cell, **kw):
     return matrix._grad(fn)
 
 
-def _own(cell) -> float:
+def cell_own(cell) -> float:
+    """Plain jax.grad's error against float64 in a matrix cell."""
     return rn.relative_error(
-        matrix._grad(matrix._stack_fn(cell[0]))(*_args(cell)), _reference(cell)
+        matrix._grad(matrix._stack_fn(cell[0]))(*cell_args(cell)), cell_reference(cell)
     )
 
 
 def test_a_chaotic_stack_is_accepted_by_default_with_autodiffs_accuracy():
     """(Catches the loosening not taken: refused; or taken for a tolerance the user gave.)"""
-    args, own = _args(CHAOTIC), _own(CHAOTIC)
+    args, own = cell_args(CHAOTIC), cell_own(CHAOTIC)
     got = jax.block_until_ready(_grad(CHAOTIC)(*args))
-    error = rn.relative_error(got, _reference(CHAOTIC))
+    error = rn.relative_error(got, cell_reference(CHAOTIC))
     print(f"jax.grad's error {own:.2e}, the default check's {error:.2e}")
     assert error <= 10 * own
     with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError"):
@@ -84,8 +87,10 @@ AMPLIFYING = (matrix.Stack("affine", 16, 32, "scan", ln=False, dtype="f32"), "he
 
 def test_a_stack_whose_inverse_amplifies_is_still_refused():
     """(Catches a loosening too generous: a multiplier or a condition estimate far too big.)"""
-    args, own = _args(AMPLIFYING), _own(AMPLIFYING)
-    unchecked = rn.relative_error(_grad(AMPLIFYING, fallback="none")(*args), _reference(AMPLIFYING))
+    args, own = cell_args(AMPLIFYING), cell_own(AMPLIFYING)
+    unchecked = rn.relative_error(
+        _grad(AMPLIFYING, fallback="none")(*args), cell_reference(AMPLIFYING)
+    )
     print(f"jax.grad's error {own:.2e}, unchecked {unchecked:.2e}")
     assert unchecked > 100 * own  # a gradient the check must not accept
     with pytest.raises(jax.errors.JaxRuntimeError, match="NotInvertibleError"):
@@ -93,12 +98,18 @@ def test_a_stack_whose_inverse_amplifies_is_still_refused():
     rn.drift_recomputes(reset=True)
     got = jax.block_until_ready(_grad(AMPLIFYING, fallback="recompute")(*args))
     assert sum(rn.drift_recomputes(reset=True).values()) > 0
-    assert rn.relative_error(got, _reference(AMPLIFYING)) <= 100 * own
+    # Layers that drifted just under the tolerance are kept: the error is about the drift (72x
+    # autodiff's on one machine, 121x under the suite's XLA flags on it), far below unchecked.
+    assert rn.relative_error(got, cell_reference(AMPLIFYING)) <= unchecked / 5
+    # At a tolerance of 1e-5 the recomputed gradient is autodiff's (0.93x-0.96x on that machine).
+    got = _grad(AMPLIFYING, fallback="recompute", drift_rtol=1e-5)(*args)
+    assert rn.relative_error(got, cell_reference(AMPLIFYING)) <= 10 * own
 
 
 def test_the_loosened_tolerance_is_eps_times_the_condition_number():
     """``30 eps |dx| |x| / (|dy| |y|)``, floored at ``rtol``; a zero cotangent leaves ``rtol``.
     (Catches a formula inverted or floored wrong.)"""
+    from remat_nn import _drift
     from remat_nn import _reversible_check as rc
 
     eps, rtol = 2.0**-23, 2048 * 2.0**-23
@@ -108,7 +119,7 @@ def test_the_loosened_tolerance_is_eps_times_the_condition_number():
     for growth in (1.0, 1e3, 1e6):  # |dx| / |dy|
         dx = (jnp.full((1,), growth),)
         tol = float(rc.loosened(rtol, eps, x_sketch, rc.norm(y), rc.norm(dy), dx))
-        want = max(rtol, rc.CONDITION_MULTIPLE * eps * growth)
+        want = max(rtol, _drift.CONDITION_MULTIPLE * eps * growth)
         assert tol == pytest.approx(want, rel=1e-5), growth
     assert float(rc.loosened(rtol, eps, x_sketch, rc.norm(y), 0.0, (jnp.ones(1),))) == rtol
 
@@ -118,7 +129,7 @@ def test_under_a_probe_vmap_and_shard_map_the_verdicts_hold():
     per device under shard_map (each judges its own drift). (Catches a branch whose types
     differ from its default's under shard_map, or a verdict shared across the batch.)"""
     stack, _ = CHAOTIC
-    chaotic = _args(CHAOTIC)
+    chaotic = cell_args(CHAOTIC)
     branch, combine = matrix._branch(stack), matrix.COMBINE["additive"]
     block = rn.coupling_block(
         lambda p, c, x: (branch(p[0], x), c),

@@ -1,0 +1,111 @@
+"""The walk's check codes: which run-time check failed, and by how much.
+
+A code is one int32 scalar, 0 where every check passed. A failed check writes its id (the index
+of its error text, ``_walk._register_check``) in the low :data:`ID_BITS` bits and a level in the
+bits above: :data:`FATAL` for a guard (an inversion that lost information, a bound on its own
+rounding) and for anything not finite; for a derivative check (a derivative taken at rebuilt
+values that moved by more than the tolerance of its scale: ``_errors.derivative_excess``), the
+power of two just above that relative move. Codes combine by ``max``: the worst failed check,
+one scalar through every loop carry and tie the walk already had.
+
+Judged at the end (``_vjp``), a derivative check that failed by less than what the function's
+own conditioning allows is accepted: in a chaotic stack the forward pass amplifies rounding as
+much as the rebuild does, and plain autodiff's gradient is then as far from exact arithmetic as
+the rebuilt one. The allowance (:func:`allowance`) is ``sqrt(eps) * kappa``, at most
+:data:`MAX_MOVE`: ``eps`` the machine epsilon of the narrowest float the function computes in,
+``kappa = (|dx| / |dy|) (|x| / |y|)`` its relative condition number measured from the
+backward's cotangents (``x`` the rebuilt inputs, ``y`` the outputs; as a reversible stack's
+drift check measures it, ``remat_nn/_reversible_check.py``). The level rounds the move up, so
+the judgement errs strict by at most a factor of two. Only with ``rn.invertible``'s default
+``rtol``: an explicit one is never raised. Guards (the inversions' own bounds and domains) are
+never loosened.
+
+The form is fitted, not derived: the moves are propagated bounds, whose pessimism differs by
+dtype, and no multiple of ``eps * kappa`` (the reversible stacks' allowance, 30 of them) fits
+both constraints below. Measured on a 2-core Intel Xeon: the canonical-stacks matrix's 88 cells
+the fixed tolerance refused (``benchmarks/results/invertible.md``), each run again for the
+move (the level in the error), ``kappa`` (of plain autodiff's VJP) and the unchecked
+gradient's error against float64 (rn.invertible at rtol 0.5); and the magnitude fuzz's float16
+program whose side branch cancels (tests/invertible/test_invertible_magnitudes.py: gradient
+30% off float64, 34% off autodiff; its move bound 16, ``kappa`` 134). Float32 chaotic stacks
+whose unchecked gradient is within 10x autodiff's own error need up to 405-1,320 ``eps *
+kappa`` (``sqrt(eps) * kappa`` times 0.14-0.46); the first float32 cell past 100x, 6.1; the
+float16 program must stay below 122 ``eps * kappa`` (``sqrt(eps) * kappa`` times 3.8). At
+``sqrt(eps) * kappa``, of those 88 cells 20 are accepted, none past 5x autodiff's error, and
+the false refusals among them fall from 44 to 25 (2 of them where autodiff's own error is
+below 1e-2). Bfloat16 cells whose move bounds reach thousands of their scale (autodiff's own
+gradient 100% off float64) were accepted 140x off without :data:`MAX_MOVE`; the matrix's
+largest move among the accepted good cells is 64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from remat_nn import _drift
+
+#: The largest move of a derivative a conditioning allowance accepts, relative to its scale
+#: (module docstring).
+MAX_MOVE = 100.0
+#: Bits of a code that hold the check's id.
+ID_BITS = 24
+_ID_MASK = (1 << ID_BITS) - 1
+#: The level of a failed guard or a non-finite move: never accepted.
+FATAL = 127
+#: Level ``L`` (below FATAL) stands for a relative move of at most ``2 ** (L - _BIAS)``.
+_BIAS = 64
+
+
+def encode(result: Any, check: int) -> Any:
+    """The code of one check's ``result``: a bool (True: passed; False: :data:`FATAL`) or an
+    :func:`remat_nn.invertible._errors.excess` (0: passed). None: nothing was checked."""
+    if result is None:
+        return None
+    if jnp.result_type(result) == np.bool_:
+        level = jnp.where(result, 0, FATAL)
+    else:
+        move = jnp.asarray(result, jnp.float32)
+        mantissa, exponent = jnp.frexp(jnp.maximum(move, 2.0**-_BIAS))  # exact, unlike log2
+        ceil_log2 = exponent - (mantissa == 0.5)
+        finite = jnp.clip(ceil_log2 + _BIAS, 1, FATAL - 1)
+        level = jnp.where(move == 0, 0, jnp.where(jnp.isfinite(move), finite, FATAL))
+    level = level.astype(jnp.int32)
+    return jnp.where(level == 0, 0, (level << ID_BITS) | check).astype(jnp.int32)
+
+
+def judged(code: Any, allowed: Any) -> Any:
+    """``code``, or 0 if its check is a derivative check whose move is within ``allowed``
+    (a float32 scalar, relative; 0 allows nothing)."""
+    if code is None:
+        return None
+    allowed = jnp.asarray(allowed, jnp.float32)
+    exponent = jnp.frexp(jnp.maximum(allowed, 2.0**-_BIAS))[1]  # floor(log2) + 1, exact
+    top = jnp.where(allowed >= 2.0**-_BIAS, exponent - 1 + _BIAS, 0)
+    top = jnp.where(jnp.isfinite(allowed), jnp.minimum(top, FATAL - 1), FATAL - 1)
+    top = jnp.where(jnp.isnan(allowed), 0, top)  # (allowance never gives NaN: see _drift)
+    return jnp.where((code >> ID_BITS) <= top.astype(jnp.int32), 0, code).astype(jnp.int32)
+
+
+def allowance(eps: float, x_norm: Any, y_norm: Any, dy_norm: Any, dx_norm: Any) -> jax.Array:
+    """The move a derivative check may reach in a function of relative condition number
+    ``kappa`` (``_drift.allowance``: from the norms of its rebuilt inputs ``x``, its outputs
+    ``y`` and their cotangents): ``sqrt(eps) * kappa``, at most :data:`MAX_MOVE` (module
+    docstring). A float32 scalar, 0 where ``kappa`` is not finite."""
+    kappa_term = _drift.allowance(math.sqrt(eps), x_norm, y_norm, dy_norm, dx_norm, multiple=1.0)
+    return jnp.minimum(kappa_term, jnp.float32(MAX_MOVE))
+
+
+def check_id(code: int) -> int:
+    """The id of the failed check in a (nonzero) code read on the host."""
+    return int(code) & _ID_MASK
+
+
+def bound(code: int) -> float | None:
+    """The move a failed derivative check's code stands for, at most (None for a guard)."""
+    level = int(code) >> ID_BITS
+    return None if level >= FATAL else 2.0 ** (level - _BIAS)
