@@ -32,7 +32,7 @@ PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
     # (importing package, imported private module or name): why
     ("benchmarks", "remat_nn.invertible._analysis.analyze"): _ANALYSIS,
     ("benchmarks", "remat_nn.invertible._api._trace"): _ANALYSIS,
-    ("benchmarks", "remat_nn.invertible._api"): "the drift table (invertible_drift) measures the "
+    ("benchmarks", "remat_nn.invertible._vjp"): "the drift table (invertible_drift) measures the "
     "walk's gradient where its checks refuse it, by staging no check: a measuring tool",
     ("benchmarks", "remat_nn.invertible._sketch"): _SKETCHES,
     ("benchmarks", "remat_nn.invertible._scan_sketch.sketched"): _SKETCHES,
