@@ -63,9 +63,10 @@ def test_the_probe_counts_what_the_host_callbacks_report(fallback):
     """(Catches a failed check dropped under the probe, a recompute counted on the host only,
     and a probed program that still stages a callback.)"""
     *args, c1, c2 = _args(CHAOTIC, "2he")
-    # At the fixed tolerance (an explicit rtol): the default accepts this chaotic stack.
+    # At a fixed tolerance (an explicit rtol, 10x margin: test_invertible_recompute.CHAOTIC):
+    # the default accepts this chaotic stack.
     fn = rn.invertible(
-        matrix._stack_fn(CHAOTIC), known_argnums=(2, 3), fallback=fallback, rtol=1e-5
+        matrix._stack_fn(CHAOTIC), known_argnums=(2, 3), fallback=fallback, rtol=1e-6
     )
     host = jax.jit(jax.grad(_loss(fn, c1, c2), argnums=(0, 1, 2, 3)))
     rn.drift_recomputes(reset=True)
