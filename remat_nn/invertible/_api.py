@@ -402,10 +402,11 @@ def invertible(
         rebuilt tensor's max |value| (never below 8 ulps of its dtype); exceeding it stops
         the backward with an error naming the primitive and line. A derivative taken at rebuilt
         values is checked at 1000 times ``rtol``. Default None: ``rtol`` 1e-5, and a derivative
-        check that fails by less than the function's own conditioning allows is accepted (30
-        epsilons of its narrowest float dtype times its relative condition number, measured
-        from the backward's cotangents: a chaotic stack, where plain autodiff's gradient is as
-        far from exact; docs/invertible.md). A number is never raised.
+        check that fails by less than the function's own conditioning allows is accepted (the
+        square root of the epsilon of its narrowest float dtype times its relative condition
+        number, measured from the backward's cotangents, at most 100: a chaotic stack, where
+        plain autodiff's gradient is as far from exact; docs/invertible.md). A number is never
+        raised.
 
     Returns:
       An :class:`Invertible` callable with ``fun``'s signature, or a decorator if ``fun`` is

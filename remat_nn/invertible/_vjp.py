@@ -135,7 +135,7 @@ def as_custom_vjp(
         y_norm = dy_norm = None
         if conditioned:  # the norms taken first: taken at the end, y and dy would live to it
             y_norm, dy_norm = _drift.norm(_floats(outs)), _drift.norm(_floats(cts))
-            outs = [_errors.after(o, y_norm + dy_norm) if _floats([o]) else o for o in outs]
+            outs = [_errors.after(o, y_norm + dy_norm) if _is_float(o) else o for o in outs]
         invals: list[Any] = [None] * len(jaxpr.invars)
         for p, x in zip(analysis.kept, kept, strict=True):
             invals[p] = x
@@ -169,6 +169,11 @@ def as_custom_vjp(
     return run
 
 
+def _is_float(x: Any) -> bool:
+    """Whether ``x`` is a float array (not None, an integer value or a float0 cotangent)."""
+    return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
 def _floats(xs: Sequence[Any]) -> list:
-    """The float arrays of ``xs`` (not None, integer values or float0 cotangents)."""
-    return [x for x in xs if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    """The float arrays of ``xs``."""
+    return [x for x in xs if _is_float(x)]
