@@ -148,6 +148,25 @@ def spread(err: Err, x: Any) -> Any:
     return jnp.where(rel < a, rel, a)  # NaN (inf * 0) picks A
 
 
+def beyond_floor(err: Err, x: Any) -> Any:
+    """Per-element errors of a 16-bit ``x`` past its rounding floor, ``max(0, spread - floor *
+    |x_j|)`` (``floor``: :func:`remat_nn.invertible._primitive_rules.tolerance` of ``x``'s
+    dtype, 8 ulps of 1); of a wider ``x``, :func:`spread` unchanged.
+
+    A 16-bit value rebuilt within its floor at each element is as precise as the 16-bit
+    computation that made it, and plain autodiff takes its derivatives at values rounded as
+    much: a derivative check counts only the error past it. Element by element, not at the
+    tensor's scale (as :func:`value_excess` judges a value): a small element of a large tensor
+    can sit where the derivative is steep (a side branch that cancels). Only for 16-bit
+    operands, whose floor is known when tracing: wider operands pay no extra operation."""
+    per_element = spread(err, x)
+    dtype = jnp.result_type(x)
+    if not floating(x) or jnp.finfo(dtype).bits > 16:
+        return per_element
+    floor = tolerance(0.0, dtype) * jnp.abs(jnp.asarray(x)).astype(jnp.float32)
+    return jnp.maximum(per_element - floor, 0.0)
+
+
 def summarize(per_element: Any, y: Any, floor: Any) -> Err:
     """The error of ``y`` from per-element errors (and the tolerance floor they came with)."""
     per_element = jnp.abs(per_element).astype(jnp.float32)
@@ -375,7 +394,7 @@ def derivative_excess(
 
             at = after(vals[i], e[0])
             slope_at = _along(functools.partial(slope, k), vals, i)
-            d, h = jax.jvp(slope_at, (at,), (spread(e, at).astype(at.dtype),))
+            d, h = jax.jvp(slope_at, (at,), (beyond_floor(e, at).astype(at.dtype),))
             for dk, hk in zip(d, h, strict=True):
                 if _tangent_ok(dk):
                     tol = jnp.maximum(tolerance(DERIVATIVE_SLACK * rtol, jnp.result_type(dk)), e[2])

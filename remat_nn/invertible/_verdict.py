@@ -5,8 +5,9 @@ of its error text, ``_walk._register_check``) in the low :data:`ID_BITS` bits an
 bits above: :data:`FATAL` for a guard (an inversion that lost information, a bound on its own
 rounding) and for anything not finite; for a derivative check (a derivative taken at rebuilt
 values that moved by more than the tolerance of its scale: ``_errors.derivative_excess``), the
-power of two just above that relative move. Codes combine by ``max``: the worst failed check,
-one scalar through every loop carry and tie the walk already had.
+move rounded up to a :data:`STEPS`-th of an octave (``2 ** (j / STEPS)`` for the least integer
+``j`` at or above it). Codes combine by ``max``: the worst failed check, one scalar through
+every loop carry and tie the walk already had.
 
 Judged at the end (``_vjp``), a derivative check that failed by less than what the function's
 own conditioning allows is accepted: in a chaotic stack the forward pass amplifies rounding as
@@ -15,10 +16,12 @@ the rebuilt one. The allowance (:func:`allowance`) is ``sqrt(eps) * kappa``, at 
 :data:`MAX_MOVE`: ``eps`` the machine epsilon of the narrowest float the function computes in,
 ``kappa = (|dx| / |dy|) (|x| / |y|)`` its relative condition number measured from the
 backward's cotangents (``x`` the rebuilt inputs, ``y`` the outputs; as a reversible stack's
-drift check measures it, ``remat_nn/_reversible_check.py``). The level rounds the move up, so
-the judgement errs strict by at most a factor of two. Only with ``rn.invertible``'s default
-``rtol``: an explicit one is never raised. Guards (the inversions' own bounds and domains) are
-never loosened.
+drift check measures it, ``remat_nn/_reversible_check.py``). The level rounds the move up and
+the allowance down, each to a step of the same grid, so the judgement errs strict by at most two
+steps (9%; lenient by at most 1e-4 of a step, log2's rounding). (A first build rounded both to
+whole octaves: strict by up to 4x, a move of 0.07 read as 0.125 against an allowance of 0.095
+read as 0.0625.) Only with ``rn.invertible``'s default ``rtol``: an explicit one is never
+raised. Guards (the inversions' own bounds and domains) are never loosened.
 
 The form is fitted, not derived: the moves are propagated bounds, whose pessimism differs by
 dtype, and no multiple of ``eps * kappa`` (the reversible stacks' allowance, 30 of them) fits
@@ -53,13 +56,29 @@ from remat_nn import _drift
 #: The largest move of a derivative a conditioning allowance accepts, relative to its scale
 #: (module docstring).
 MAX_MOVE = 100.0
-#: Bits of a code that hold the check's id.
-ID_BITS = 24
+#: Bits of a code that hold the check's id (the level takes the 11 bits above).
+ID_BITS = 20
 _ID_MASK = (1 << ID_BITS) - 1
 #: The level of a failed guard or a non-finite move: never accepted.
-FATAL = 127
-#: Level ``L`` (below FATAL) stands for a relative move of at most ``2 ** (L - _BIAS)``.
-_BIAS = 64
+FATAL = 2047
+#: Levels per octave of a derivative check's move.
+STEPS = 16
+#: Level ``L`` (below FATAL) stands for a relative move of at most ``2 ** ((L - _BIAS) / STEPS)``
+#: (moves from ``2**-64`` to ``2**63``; one below ``2**-64`` reads as ``2**-64``).
+_BIAS = 1024
+#: The least move a level tells apart.
+_LEAST = 2.0 ** (-_BIAS // STEPS)
+#: log2's own rounding (float32: a few ulps of a step) is absorbed by this fraction of a step.
+_SLACK = 1e-4
+
+
+def _grid(x: Any, up: bool) -> Any:
+    """``STEPS * log2(x)`` rounded up (``up``) or down to an integer, for ``x > 0`` finite: the
+    exponent from frexp (exact), the mantissa's log2 within :data:`_SLACK` of a step (a value
+    on the grid, such as :func:`bound`'s, maps to its own step both ways)."""
+    mantissa, exponent = jnp.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    steps = STEPS * (exponent - 1).astype(jnp.float32) + STEPS * jnp.log2(2 * mantissa)
+    return (jnp.ceil(steps - _SLACK) if up else jnp.floor(steps + _SLACK)).astype(jnp.int32)
 
 
 def encode(result: Any, check: int) -> Any:
@@ -67,13 +86,12 @@ def encode(result: Any, check: int) -> Any:
     :func:`remat_nn.invertible._errors.excess` (0: passed). None: nothing was checked."""
     if result is None:
         return None
+    assert 0 < check <= _ID_MASK, f"check id {check} does not fit in {ID_BITS} bits"
     if jnp.result_type(result) == np.bool_:
         level = jnp.where(result, 0, FATAL)
     else:
         move = jnp.asarray(result, jnp.float32)
-        mantissa, exponent = jnp.frexp(jnp.maximum(move, 2.0**-_BIAS))  # exact, unlike log2
-        ceil_log2 = exponent - (mantissa == 0.5)
-        finite = jnp.clip(ceil_log2 + _BIAS, 1, FATAL - 1)
+        finite = jnp.clip(_grid(jnp.maximum(move, _LEAST), up=True) + _BIAS, 1, FATAL - 1)
         level = jnp.where(move == 0, 0, jnp.where(jnp.isfinite(move), finite, FATAL))
     level = level.astype(jnp.int32)
     return jnp.where(level == 0, 0, (level << ID_BITS) | check).astype(jnp.int32)
@@ -85,8 +103,7 @@ def judged(code: Any, allowed: Any) -> Any:
     if code is None:
         return None
     allowed = jnp.asarray(allowed, jnp.float32)
-    exponent = jnp.frexp(jnp.maximum(allowed, 2.0**-_BIAS))[1]  # floor(log2) + 1, exact
-    top = jnp.where(allowed >= 2.0**-_BIAS, exponent - 1 + _BIAS, 0)
+    top = jnp.where(allowed >= _LEAST, _grid(jnp.maximum(allowed, _LEAST), up=False) + _BIAS, 0)
     top = jnp.where(jnp.isfinite(allowed), jnp.minimum(top, FATAL - 1), FATAL - 1)
     top = jnp.where(jnp.isnan(allowed), 0, top)  # (allowance never gives NaN: see _drift)
     return jnp.where((code >> ID_BITS) <= top.astype(jnp.int32), 0, code).astype(jnp.int32)
@@ -109,4 +126,4 @@ def check_id(code: int) -> int:
 def bound(code: int) -> float | None:
     """The move a failed derivative check's code stands for, at most (None for a guard)."""
     level = int(code) >> ID_BITS
-    return None if level >= FATAL else 2.0 ** (level - _BIAS)
+    return None if level >= FATAL else 2.0 ** ((level - _BIAS) / STEPS)
