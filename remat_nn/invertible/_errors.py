@@ -161,7 +161,7 @@ def beyond_floor(err: Err, x: Any) -> Any:
     operands, whose floor is known when tracing: wider operands pay no extra operation."""
     per_element = spread(err, x)
     dtype = jnp.result_type(x)
-    if not floating(x) or jnp.finfo(dtype).bits > 16:
+    if not _is_16_bit(dtype):
         return per_element
     floor = tolerance(0.0, dtype) * jnp.abs(jnp.asarray(x)).astype(jnp.float32)
     return jnp.maximum(per_element - floor, 0.0)
