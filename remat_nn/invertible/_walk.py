@@ -503,9 +503,10 @@ def stop_on_failed_check(code: Any, fallback: str | None = None, allowed: Any = 
 
 
 _CONDITIONED = """
-The derivative moved by up to {move:.2g} of its scale; the tolerance was {tol:.2g} (rn.invertible's
-default: 1e-2, or if more the square root of epsilon times the function's relative condition
-number, measured by this backward pass, up to {most:g})."""
+The derivative moved by up to {move:.2g} of its scale; the tolerance was at least {tol:.2g}
+(rn.invertible's default: 1e-2 of the derivative's scale, or 8 epsilons of the narrowest dtype
+the value came through if more (bfloat16: 0.0625), or if more still the square root of epsilon
+times the function's relative condition number, measured by this backward pass, up to {most:g})."""
 
 
 def _raise_failed_check(note: str, code: Any, allowed: Any) -> None:

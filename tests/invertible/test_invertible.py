@@ -1,6 +1,6 @@
 """rn.invertible / rn.custom_ivjp / rn.register_inverse / rn.inversion_report.
 
-Guarantees tested (STYLE.md habit 10): gradients equal plain autodiff (depth 32 unrolled, 64
+Guarantees tested (STYLE.md habit 10): gradients equal plain autodiff (depth 16 unrolled, 64
 scanned, pytrees, argnums, jit, vmap, scan, checkpoint, closures, static arguments, typed keys,
 JAX's upgrade flags), no intermediate is ever stored (only outputs and inputs), residuals and
 compiled temp memory flat in depth, the analysis independent of statement order, inversions
@@ -36,10 +36,11 @@ pytestmark = pytest.mark.usefixtures("jax_upgrade_flags")
 
 D, B = 16, 32  # width of one half, batch: small, so deep compiles stay quick on 2 cores
 # The unrolled stacks' depth (with 8) in the compiled gradient and memory tests: the walk's compile
-# grows faster than its depth (-O0: 2.3 s at 8, 5.6 s at 16, 15 s at 32, ~45 s at 64), and flat
-# temp and a gradient within 1e-5 show at 32 as at 64 (the README's figures, benchmarks/
-# invertible.py, are at 64).
-DEEP = 32
+# grows faster than its depth (-O0, AMD EPYC: 2.7 s at 8, 8.4 s at 16, 18.6 s at 32; ~45 s at 64),
+# and flat temp (exact: the sketches' bytes, +64) and a gradient within 1e-5 show at 16 as at 32
+# and 64; a leak of one value per layer grows temp by 2 KiB a layer at any depth (the README's
+# figures, benchmarks/invertible.py, are at 64).
+DEEP = 16
 FILE = "test_invertible.py"
 
 

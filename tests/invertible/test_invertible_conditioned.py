@@ -57,7 +57,7 @@ def test_a_stack_whose_inverse_amplifies_is_still_refused():
     own, unchecked = cell_own(AMPLIFYING), _error(AMPLIFYING, rtol=0.5)
     print(f"jax.grad's error {own:.2e}, unchecked {unchecked:.2e}")
     assert unchecked > 100 * own  # a gradient the check must not accept
-    with pytest.raises(REFUSED, match=r"moved by up to .* the tolerance was"):
+    with pytest.raises(REFUSED, match=r"moved by up to .* the tolerance was at least"):
         _error(AMPLIFYING)
 
 

@@ -338,8 +338,9 @@ def test_the_dry_run_and_the_run_log_name_the_plan_that_runs(tmp_path):
 
 @pytest.mark.slow
 def test_the_trainer_dry_run_shows_the_resnet_plan_and_its_memory(tmp_path):
-    # Measured (the suite's XLA flags, jax 0.10.2): none 9,300,869 B, full 4,120,903 B, full
-    # with scan_units 3,795,845 B.
+    # Measured (the suite's XLA flags, jax 0.10.2): none 9,300,869 B, full 4,120,903 B. (Full
+    # with scan_units, 3,795,845 B, is the model's own test above: through the trainer it would
+    # pass as well with scan_units ignored.)
     text, stored = _dry_run(tmp_path / "none", "remat=none")
     assert "remat plan: none" in text
     # The buffers at the step's peak, summing to XLA's peak, and the timeline beside the run.
@@ -350,5 +351,3 @@ def test_the_trainer_dry_run_shows_the_resnet_plan_and_its_memory(tmp_path):
     text, full = _dry_run(tmp_path / "full", "remat=full")
     assert "remat plan: full" in text
     assert full < 0.5 * stored, (full, stored)
-    _, scanned = _dry_run(tmp_path / "scan", "remat=full", "model.options.scan_units=true")
-    assert scanned < 0.5 * stored, (scanned, stored)
