@@ -6,8 +6,10 @@ once; the time is that of the analysis (the monotone closure that decides what t
 and keeps) plus building the backward walk's schedule, the least of several runs, for both
 ``fallback`` settings, in CPU seconds of this process (the analysis is single-threaded Python;
 on a shared machine wall time also counts the other processes' turns). Beside it: the
-gradient error against plain autodiff at depth 64 and the compiled temp bytes of the gradient
-at depth 8 and 64 (flat: no activation is stored). Then the canonical-stacks matrix
+gradient error against plain autodiff at depth 64, the compiled temp bytes of the gradient
+at depth 8 and 64 (flat: no activation is stored) and the XLA compile seconds of the gradient
+against plain autodiff's (a known cost: the walk's checks are a few hundred scalar operations
+per equation of the function, each compiled). Then the canonical-stacks matrix
 (:mod:`benchmarks.invertible_matrix`): rn.invertible and the reversible stack's drift check,
 cell by cell, against jax.grad's own error.
 """
@@ -28,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import remat_nn as rn  # noqa: E402
 from benchmarks import invertible_matrix as matrix  # noqa: E402
 from benchmarks._common import Result, Target, verdict  # noqa: E402
+from remat_nn._jax_internals import persistent_cache_bypassed  # noqa: E402
 from remat_nn._timing import timing_rounds  # noqa: E402
 from remat_nn.invertible import _sketch  # noqa: E402
 from remat_nn.invertible._analysis import analyze  # noqa: E402
@@ -80,6 +83,50 @@ def analysis_seconds(couplings: list[int], rounds: int) -> tuple[list[int], dict
     least = {k: min(v) for k, v in samples.items()}
     noise = least["itself", couplings[-2]] / least["error", couplings[-2]]
     return eqns, least, noise
+
+
+def compile_seconds(depths: list[int], rounds: int) -> tuple[dict, float]:
+    """XLA's compile seconds of the gradient of the ``n``-coupling stack, ``rn.invertible``'s
+    and plain autodiff's, each lowered once and compiled again in every round (shuffled,
+    interleaved, the persistent cache bypassed): the median per (kind, n), and the noise (the
+    smallest invertible compile against an identical copy of itself)."""
+    fns = {}
+    for n in depths:
+        args = make_stack(n)
+        for kind, f in (("invertible", rn.invertible(stack)), ("plain", stack)):
+            lowered = jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2))).lower(*args)
+            fns[kind, n] = functools.partial(_compile_again, lowered)
+    fns["itself", depths[0]] = fns["invertible", depths[0]]
+    with persistent_cache_bypassed():
+        samples, _ = timing_rounds(fns, rounds=rounds, warmup=0)
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    return med, med["itself", depths[0]] / med["invertible", depths[0]]
+
+
+def _compile_again(lowered) -> None:
+    # Lowered.compile() keeps its first executable, and JAX's in-memory compile cache (keyed by
+    # the module) serves the same module again: given options (none), and that cache cleared,
+    # XLA compiles it again.
+    jax.clear_caches()
+    lowered.compile(compiler_options={})
+
+
+def _compile_rows(depths: list[int], rounds: int) -> str:
+    med, noise = compile_seconds(depths, rounds)
+    rows = [
+        "| depth (couplings) | rn.invertible | plain autodiff | ratio |",
+        "|--:|--:|--:|--:|",
+    ]
+    for n in depths:
+        inv, plain = med["invertible", n], med["plain", n]
+        rows.append(f"| {n} | {inv:.2f} s | {plain:.2f} s | {inv / plain:.0f}x |")
+    return (
+        f"XLA compile seconds of the gradient (median of {rounds} shuffled, interleaved rounds, "
+        f"the persistent cache bypassed; noise, the depth-{depths[0]} compile against itself: "
+        f"{noise:.3f}x). A known cost, not a target: the walk's checks (sketches, propagated "
+        "errors, derivative checks, their codes) are a few hundred scalar operations per "
+        "equation of the function, and XLA compiles each.\n\n" + "\n".join(rows)
+    )
 
 
 def _matrix(quick: bool) -> tuple[str, list[Target]]:
@@ -175,10 +222,11 @@ def run(quick: bool = False) -> Result:
             f"{temp[lo]:,} B -> {temp[hi]:,} B (sketches +{sketch_growth:,} B)",
         ),
     ]
+    compile_text = _compile_rows([2, 4] if quick else [8, 16, 32], rounds=1 if quick else 3)
     section, matrix_targets = _matrix(quick)
     return Result(
         "invertible",
-        body + "\n\n" + section,
+        body + "\n\n" + compile_text + "\n\n" + section,
         {"invertible_analysis.png": fig},
         targets + matrix_targets,
     )

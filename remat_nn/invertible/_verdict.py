@@ -50,6 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from remat_nn import _drift
 
@@ -73,11 +74,18 @@ _SLACK = 1e-4
 
 
 def _grid(x: Any, up: bool) -> Any:
-    """``STEPS * log2(x)`` rounded up (``up``) or down to an integer, for ``x > 0`` finite: the
-    exponent from frexp (exact), the mantissa's log2 within :data:`_SLACK` of a step (a value
-    on the grid, such as :func:`bound`'s, maps to its own step both ways)."""
-    mantissa, exponent = jnp.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
-    steps = STEPS * (exponent - 1).astype(jnp.float32) + STEPS * jnp.log2(2 * mantissa)
+    """``STEPS * log2(x)`` rounded up (``up``) or down to an integer, for a normal float32
+    ``x > 0`` (callers clip at :data:`_LEAST`; what they discard may be anything): the
+    exponent read from the bits (exact), the mantissa's log2 within :data:`_SLACK` of a step (a
+    value on the grid, such as :func:`bound`'s, maps to its own step both ways).
+
+    Read from the bits, as ``_sketch._power`` reads its exponent: ``jnp.frexp`` (which also
+    handles subnormals, zeros and infinities) was 22 of this function's 34 operations, and
+    the walk calls it once per check (tested equal to frexp's reading on normal floats)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127  # x = m * 2**exponent, m in [1, 2)
+    m = lax.bitcast_convert_type((bits & 0x7FFFFF) | 0x3F800000, jnp.float32)
+    steps = STEPS * exponent.astype(jnp.float32) + STEPS * jnp.log2(m)
     return (jnp.ceil(steps - _SLACK) if up else jnp.floor(steps + _SLACK)).astype(jnp.int32)
 
 

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import remat_nn as rn
@@ -110,6 +111,37 @@ def test_a_derivative_checks_code_is_judged_by_its_move(move):
         assert int(_verdict.judged(fatal, jnp.float32(1e30))) == int(fatal)
     assert int(_verdict.encode(jnp.float32(0.0), 5)) == 0
     assert int(_verdict.encode(jnp.bool_(True), 5)) == 0
+
+
+def test_the_grid_read_from_the_bits_equals_frexps_reading():
+    """``_verdict._grid`` reads the exponent and mantissa from the bits; frexp's reading (what
+    it replaced, 22 operations more per check) gives the same step, both ways, on normal
+    float32 moves drawn log-uniformly from ``2**-64`` to the largest float, on every grid
+    point and on the float below each. (Catches an off-by-one in the exponent's bias or a
+    mantissa read from the wrong bits.)"""
+
+    def frexp_steps(x, up):
+        mantissa, exponent = jnp.frexp(x)
+        steps = _verdict.STEPS * (exponent - 1) + _verdict.STEPS * jnp.log2(2 * mantissa)
+        rounded = jnp.ceil(steps - _verdict._SLACK) if up else jnp.floor(steps + _verdict._SLACK)
+        return rounded.astype(jnp.int32)
+
+    rng = np.random.default_rng(0)
+    grid = (2.0 ** (np.arange(-64 * 16, 128 * 16) / 16)).astype(np.float32)
+    grid = grid[np.isfinite(grid)]
+    x = np.concatenate(
+        [
+            (2.0 ** rng.uniform(-64, 128, 50_000)).astype(np.float32),
+            grid,
+            np.nextafter(grid, np.float32(0)),
+            np.float32([np.finfo(np.float32).max, 2.0**-64]),
+        ]
+    )
+    x = jnp.asarray(x[np.isfinite(x)])
+    for up in (True, False):
+        got = jax.jit(lambda v, up=up: _verdict._grid(v, up))(x)
+        want = jax.jit(lambda v, up=up: frexp_steps(v, up))(x)
+        assert int(jnp.sum(got != want)) == 0, up
 
 
 def test_a_derivative_check_counts_only_the_error_past_the_16_bit_floor():
