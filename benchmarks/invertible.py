@@ -17,7 +17,6 @@ cell by cell, against jax.grad's own error.
 from __future__ import annotations
 
 import functools
-import random
 import time
 
 import jax
@@ -87,27 +86,23 @@ def analysis_seconds(couplings: list[int], rounds: int) -> tuple[list[int], dict
 
 def compile_seconds(depths: list[int], rounds: int) -> tuple[dict, float]:
     """XLA's compile seconds of the gradient of the ``n``-coupling stack, ``rn.invertible``'s
-    and plain autodiff's, in shuffled interleaved rounds, each compile of a fresh lowering (an
-    untimed ``jit(...).lower`` of a new function: JAX keeps a lowering's executable and caches
-    traces by function): the median per (kind, n), and the noise (the smallest
-    invertible compile against an identical copy of itself). A persistent compilation cache,
-    if the process has one (``JAX_COMPILATION_CACHE_DIR``: the suite's quick run), may serve
-    them instead: the text says so."""
-    fns = {}
+    and plain autodiff's, in shuffled interleaved rounds (``timing_rounds``), each compile of a
+    fresh lowering made beforehand (``jit(...).lower`` of a new function, untimed: JAX keeps a
+    lowering's executable and caches traces by function): the median per (kind, n), and the
+    noise (the smallest invertible compile against an identical copy of itself). A persistent
+    compilation cache, if the process has one (``JAX_COMPILATION_CACHE_DIR``: the suite's quick
+    run), may serve them instead: the text says so."""
+    grads = {}
     for n in depths:
         for kind, f in (("invertible", rn.invertible(stack)), ("plain", stack)):
-            fns[kind, n] = (jax.grad(_loss(f), argnums=(0, 1, 2)), make_stack(n))
-    fns["itself", depths[0]] = fns["invertible", depths[0]]
-    samples: dict = {k: [] for k in fns}
-    rng = random.Random(0)
-    for _ in range(rounds):
-        for k in rng.sample(list(fns), len(fns)):
-            grad, args = fns[k]
-            # A new function each time: JAX caches a traced and lowered function by identity.
-            lowered = jax.jit(lambda *a, grad=grad: grad(*a)).lower(*args)
-            t0 = time.perf_counter()
-            lowered.compile()
-            samples[k].append(time.perf_counter() - t0)
+            grads[kind, n] = (jax.grad(_loss(f), argnums=(0, 1, 2)), make_stack(n))
+    grads["itself", depths[0]] = grads["invertible", depths[0]]
+    lowered = {
+        k: [jax.jit(lambda *a, g=g: g(*a)).lower(*args) for _ in range(rounds)]
+        for k, (g, args) in grads.items()
+    }
+    fns = {k: (lambda todo=todo: todo.pop().compile()) for k, todo in lowered.items()}
+    samples, _ = timing_rounds(fns, rounds=rounds, warmup=0)
     med = {k: float(np.median(v)) for k, v in samples.items()}
     return med, med["itself", depths[0]] / med["invertible", depths[0]]
 
